@@ -1,0 +1,40 @@
+# The README's two commands: `make demo` and `make test`. Each builds .venv from nothing if needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch (a bare `torch` resolves to a multi-GB CUDA build).
+TORCH_PIN := torch==2.13.0
+
+export AIRFLOW_HOME ?= $(CURDIR)/.state/airflow
+export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
+export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
+export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
+
+.PHONY: demo test lint install clean bench
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m airflow_torchrun.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf .state

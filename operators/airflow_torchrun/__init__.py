@@ -1,0 +1,29 @@
+"""airflow-torchrun: run a distributed PyTorch training group as one Airflow task.
+
+The operators are imported lazily so that ``airflow_torchrun.worker`` (used inside ranks) never
+imports Airflow, and importing the operators never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "DistributedTrainingOperator": "airflow_torchrun.operators.training",
+}
+
+if TYPE_CHECKING:
+    from airflow_torchrun.operators.training import DistributedTrainingOperator
+
+__all__ = ["DistributedTrainingOperator", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'airflow_torchrun' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,259 @@
+"""The embedded default: every node is a torchrun agent process on this machine, on loopback.
+
+Layout of one group (one try of one task) under the state directory::
+
+    groups/<group_id>/group.json                 the handle
+    groups/<group_id>/node-<n>/node.log          the agent's and its ranks' output, prefixed
+    groups/<group_id>/node-<n>/supervisor.json   written when the node starts (pids)
+    groups/<group_id>/node-<n>/exit.json         written when the node is gone (code, signal)
+    groups/<group_id>/node-<n>/torchrun/...      torchrun's per-rank logs and error files
+
+Everything a watcher needs is on disk, so another process (a trigger) can follow the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from airflow_torchrun import diagnosis
+from airflow_torchrun.backends.base import FailureReport, GroupHandle
+from airflow_torchrun.backends.procs import group_pids, stop_group
+from airflow_torchrun.errors import GroupLaunchError
+from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
+from airflow_torchrun.wiring import GroupIdentity, GroupPlan, plan
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port free right now. Another process may still take it before node 0 binds it; the
+    operator relaunches on a fresh port when node 0 reports EADDRINUSE."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, state_dir: str | os.PathLike[str] | None = None) -> None:
+        self.state_dir = Path(state_dir or default_state_dir())
+        self._log_offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
+        group_dir = self.state_dir / "groups" / identity.group_id
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return plan(
+            spec,
+            identity,
+            master_addr=LOOPBACK,
+            master_port=spec.rdzv_port or free_port(),
+            python=sys.executable,
+            log_dir=str(group_dir / "node-{node_rank}" / "torchrun"),
+            # every node shares this machine's cores
+            cpus_per_node=(cpus or 1) / spec.num_nodes,
+            extra_env=extra_env,
+        )
+
+    # -- launching --------------------------------------------------------------------------
+    def launch(self, plan: GroupPlan, *, watch_caller: bool = True) -> GroupHandle:
+        group_dir = self.state_dir / "groups" / plan.group_id
+        if group_dir.exists() and any(group_dir.iterdir()):
+            # A previous launch of this very try: keep its logs, never overwrite them.
+            stale = group_dir.with_name(f"{group_dir.name}.{int(time.time() * 1000)}")
+            group_dir.rename(stale)
+        handle = GroupHandle(
+            backend=self.name,
+            group_id=plan.group_id,
+            num_nodes=len(plan.nodes),
+            launched_at=time.time(),
+            location=str(group_dir),
+            startup_timeout=plan.spec.startup_timeout,
+            teardown_grace=plan.spec.teardown_grace,
+            extra={"master_port": plan.master_port, "world_size": plan.spec.world_size},
+        )
+        started: list[subprocess.Popen[bytes]] = []
+        try:
+            for node in plan.nodes:
+                node_dir = group_dir / f"node-{node.node_rank}"
+                node_dir.mkdir(parents=True)
+                env = {**os.environ, **node.env, "TORCHELASTIC_ERROR_FILE": str(node_dir / "agent-error.json")}
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "airflow_torchrun.backends.local_supervisor",
+                    f"--node-dir={node_dir}",
+                    f"--grace={plan.spec.teardown_grace}",
+                ]
+                if watch_caller:
+                    argv.append(f"--watch-pid={os.getpid()}")
+                proc = subprocess.Popen(
+                    [*argv, "--", *node.argv],
+                    env=env,
+                    cwd=os.getcwd(),
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(node_dir / "supervisor.log", "wb"),  # noqa: SIM115 - owned by the child
+                )
+                started.append(proc)
+            (group_dir / "group.json").write_text(json.dumps(handle.to_dict(), indent=2))
+        except OSError as exc:
+            self.teardown(handle)
+            raise GroupLaunchError(f"could not start group {plan.group_id} in {group_dir}: {exc}") from exc
+        return handle
+
+    # -- watching ---------------------------------------------------------------------------
+    def observe(self, handle: GroupHandle) -> list[NodeObservation]:
+        return [self._observe_node(handle, n) for n in range(handle.num_nodes)]
+
+    async def observe_async(self, handle: GroupHandle) -> list[NodeObservation]:
+        # Reading a few small files; run off the event loop all the same.
+        return await asyncio.to_thread(self.observe, handle)
+
+    def _observe_node(self, handle: GroupHandle, node_rank: int) -> NodeObservation:
+        node_dir = Path(handle.location) / f"node-{node_rank}"
+        exit_info = _read_json(node_dir / "exit.json")
+        if exit_info is not None:
+            code = int(exit_info["returncode"])
+            return NodeObservation(
+                node_rank=node_rank,
+                phase=NodePhase.SUCCEEDED if code == 0 else NodePhase.FAILED,
+                exit_code=code,
+                signal=exit_info.get("signal"),
+                started_at=exit_info.get("started_at"),
+                finished_at=exit_info.get("finished_at"),
+                stopped_by=exit_info.get("stopped_by"),
+            )
+        sup = _read_json(node_dir / "supervisor.json")
+        if sup is None:
+            return NodeObservation(node_rank=node_rank, phase=NodePhase.PENDING)
+        if not _pid_alive(int(sup["pid"])):
+            # The supervisor may have written exit.json between our two reads.
+            if (node_dir / "exit.json").exists():
+                return self._observe_node(handle, node_rank)
+            return NodeObservation(
+                node_rank=node_rank,
+                phase=NodePhase.LOST,
+                started_at=sup.get("started_at"),
+                finished_at=time.time(),
+                reason=f"its supervisor (pid {sup['pid']}) died without recording an outcome",
+            )
+        return NodeObservation(node_rank=node_rank, phase=NodePhase.RUNNING, started_at=sup.get("started_at"))
+
+    # -- logs -------------------------------------------------------------------------------
+    def log_locations(self, handle: GroupHandle) -> list[str]:
+        return [str(Path(handle.location) / f"node-{n}" / "node.log") for n in range(handle.num_nodes)]
+
+    def read_new_log_lines(self, handle: GroupHandle) -> list[str]:
+        """Complete lines written since the last call, node by node; agent lines get a prefix."""
+        out: list[str] = []
+        for node_rank, path_s in enumerate(self.log_locations(handle)):
+            path = Path(path_s)
+            try:
+                with open(path, "rb") as fp:
+                    fp.seek(self._log_offsets.get(path, 0))
+                    chunk = fp.read()
+            except FileNotFoundError:
+                continue
+            self._log_offsets[path] = self._log_offsets.get(path, 0) + len(chunk)
+            data = self._partial.pop(path, b"") + chunk
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._partial[path] = rest
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").rstrip("\r")
+                if not line.startswith("[node "):
+                    line = f"[node {node_rank} agent] {line}"
+                out.append(line)
+        return out
+
+    # -- failure ----------------------------------------------------------------------------
+    def explain(self, handle: GroupHandle, status: GroupStatus) -> FailureReport:
+        group_dir = Path(handle.location)
+        reported: list[diagnosis.RankFailure] = []
+        error_files: list[tuple[int, str]] = []
+        logs: dict[int, str] = {}
+        for n in range(handle.num_nodes):
+            node_dir = group_dir / f"node-{n}"
+            logs[n] = _read_text(node_dir / "node.log")
+            reported += diagnosis.parse_agent_report(n, logs[n])
+            for err in sorted((node_dir / "torchrun").glob("*/attempt_*/*/error.json")):
+                error_files.append((n, _read_text(err)))
+        failures = diagnosis.merge(reported, error_files)
+        cause = diagnosis.root_cause(failures)
+        node = cause.node_rank if cause else (status.failed_node or 0)
+        tail = diagnosis.rank_lines(logs.get(node, ""), node, cause.rank if cause else None)
+        message = diagnosis.failure_message(
+            handle.group_id,
+            failures,
+            node_headline=status.reason,
+            log_tail=tail,
+            log_path=str(group_dir / f"node-{node}" / "node.log"),
+        )
+        if status.state.value == "startup_timeout":
+            message = f"Training group {handle.group_id} could not start: {status.reason}.\n{message}"
+        return FailureReport(message=message, retryable=cause.retryable if cause else True)
+
+    def port_in_use(self, handle: GroupHandle) -> bool:
+        """Node 0 lost the race for the rendezvous port (another process bound it first)."""
+        log = _read_text(Path(handle.location) / "node-0" / "node.log")
+        return "EADDRINUSE" in log or "Address already in use" in log
+
+    # -- teardown ---------------------------------------------------------------------------
+    def teardown(self, handle: GroupHandle) -> None:
+        """Stop every process of the group: SIGTERM, then SIGKILL after the grace period.
+
+        Idempotent and total: supervisors, agents and workers (whatever their session or parent)
+        are found by the group's marker.
+        """
+        stop_group(handle.group_id, grace=handle.teardown_grace)
+
+    def running_pids(self, handle: GroupHandle) -> list[int]:
+        return group_pids(handle.group_id)
+
+
+def default_state_dir() -> Path:
+    """``[torchrun] state_dir``, else ``$AIRFLOW_TORCHRUN_STATE_DIR``, else ``~/.airflow-torchrun``."""
+    configured = os.environ.get("AIRFLOW__TORCHRUN__STATE_DIR") or os.environ.get("AIRFLOW_TORCHRUN_STATE_DIR")
+    return Path(configured) if configured else Path.home() / ".airflow-torchrun"
+
+
+def _read_json(path: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            return fp.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,125 @@
+"""One node of a local group: ``python -m airflow_torchrun.backends.local_supervisor``.
+
+The local backend starts one supervisor per node, each the leader of a new session. The
+supervisor runs the node's torchrun agent and records on disk what a watcher in another process
+needs (a deferrable trigger, a re-attaching worker): ``supervisor.json`` when it starts and
+``exit.json`` when the agent is gone. It becomes a child subreaper so that workers orphaned by a
+dying agent are re-parented to it and reaped, and on SIGTERM, or when ``--watch-pid`` dies (the
+sync-mode Airflow task process), it stops every process of its node. Imports stay light: no
+torch, no Airflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from airflow_torchrun.backends.procs import stop_group
+from airflow_torchrun.wiring import GROUP_ID_VAR, NODE_RANK_VAR
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def write_json(path: Path, data: dict[str, object]) -> None:
+    """Atomic: a reader sees the whole file or none of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: stragglers are still found by their marker
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node-dir", required=True, type=Path)
+    parser.add_argument("--watch-pid", type=int, default=0, help="stop the node when this PID is gone")
+    parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    node_dir: Path = args.node_dir
+    group_id = os.environ[GROUP_ID_VAR]
+    node_rank = int(os.environ[NODE_RANK_VAR])
+
+    stop_reason: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_reason.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    _become_subreaper()
+
+    started = time.time()
+    with open(node_dir / "node.log", "ab", buffering=0) as log:
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    write_json(
+        node_dir / "supervisor.json",
+        {"pid": os.getpid(), "agent_pid": agent.pid, "started_at": started, "command": command},
+    )
+
+    watch_parent = args.watch_pid and args.watch_pid == os.getppid()
+    returncode: int | None = None
+    while returncode is None:
+        gone = (os.getppid() != args.watch_pid) if watch_parent else not _alive(args.watch_pid)
+        if not stop_reason and args.watch_pid and gone:
+            stop_reason.append(f"watched process {args.watch_pid} exited")
+        if stop_reason:
+            # torchrun forwards SIGTERM to its workers; stop_group also reaches the ones it
+            # cannot (other sessions, orphans) and escalates to SIGKILL after the grace period.
+            stop_group(group_id, node_rank=node_rank, grace=args.grace, reap=_reap_children)
+        try:
+            returncode = agent.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+    # The agent is gone; its workers normally went with it. Make sure, then record the outcome.
+    leftovers = stop_group(group_id, node_rank=node_rank, grace=min(args.grace, 5.0), reap=_reap_children)
+    _reap_children()
+    write_json(
+        node_dir / "exit.json",
+        {
+            "returncode": returncode,
+            "signal": signal.Signals(-returncode).name if returncode < 0 else None,
+            "started_at": started,
+            "finished_at": time.time(),
+            "stopped_by": stop_reason[0] if stop_reason else None,
+            "killed_stragglers": leftovers,
+        },
+    )
+    return 0 if returncode == 0 else 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The pure, frozen description of a training group, validated once.
+
+Nothing here does I/O beyond checking that a local script path exists; nothing here imports
+Airflow or torch. Each backend renders the same spec (see :mod:`airflow_torchrun.wiring`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from airflow_torchrun.errors import InvalidSpecError
+
+BACKENDS = ("local", "kubernetes")
+DEFAULT_RDZV_TIMEOUT = 900.0
+DEFAULT_STARTUP_TIMEOUT = 600.0
+DEFAULT_TEARDOWN_GRACE = 10.0
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Variables the operator owns; letting a user set them would silently break the group.
+RESERVED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+        "AIRFLOW_TORCHRUN_GROUP_ID",
+        "AIRFLOW_TORCHRUN_NODE_RANK",
+    }
+)
+
+
+def is_templated(value: object) -> bool:
+    """True when ``value`` still holds Jinja markup (it is checked again after rendering)."""
+    return isinstance(value, str) and ("{{" in value or "{%" in value)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What to run and on how many agents.
+
+    Build it with :meth:`create`, which validates; the dataclass itself never changes.
+    """
+
+    num_nodes: int
+    nproc_per_node: int
+    script: str | None = None
+    command: tuple[str, ...] = ()
+    script_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    backend: str = "local"
+    runtime: str | None = None
+    rdzv_port: int | None = None
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    teardown_grace: float = DEFAULT_TEARDOWN_GRACE
+    threads_per_proc: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.nproc_per_node
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_nodes: object = 1,
+        nproc_per_node: object = 1,
+        script: object = None,
+        command: object = None,
+        script_args: object = (),
+        env: object = None,
+        backend: object = "local",
+        runtime: object = None,
+        rdzv_port: object = None,
+        rdzv_timeout: object = DEFAULT_RDZV_TIMEOUT,
+        startup_timeout: object = DEFAULT_STARTUP_TIMEOUT,
+        teardown_grace: object = DEFAULT_TEARDOWN_GRACE,
+        threads_per_proc: object = None,
+        where: str = "",
+        allow_templates: bool = False,
+    ) -> GroupSpec:
+        """Validate raw (possibly user-typed) values and return a frozen spec.
+
+        With ``allow_templates`` (DAG parse time) values that still hold Jinja markup are not
+        checked; the operator validates again once they are rendered.
+        """
+        problems: list[str] = []
+
+        def positive_int(name: str, value: object, hint: str) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
+                return 1
+            if value < 1:
+                problems.append(f"{name} must be at least 1, got {value}. {hint}")
+                return 1
+            return value
+
+        def seconds(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                problems.append(f"{name} must be a positive number of seconds, got {value!r}")
+                return 1.0
+            return float(value)
+
+        n = positive_int("num_nodes", num_nodes, "It is the number of torchrun agents (machines or pods).")
+        p = positive_int("nproc_per_node", nproc_per_node, "It is the number of ranks each agent starts.")
+
+        if (script is None) == (command is None or command == ()):
+            problems.append(
+                "give exactly one of script (a path to a Python training script) or command "
+                "(a list: an executable and its arguments, run by torchrun with --no-python)"
+            )
+        script_str: str | None = None
+        if script is not None:
+            if not isinstance(script, str) or not script.strip():
+                problems.append(f"script must be a non-empty path string, got {script!r}")
+            else:
+                script_str = script
+                if not is_templated(script) and not script.endswith(".py"):
+                    problems.append(
+                        f"script {script!r} is not a .py file; to run another executable use "
+                        "command=[...] instead"
+                    )
+        cmd: tuple[str, ...] = ()
+        if command is not None and command != ():
+            if isinstance(command, str) or not isinstance(command, Sequence):
+                problems.append(f"command must be a list of strings, got {command!r}")
+            elif not all(isinstance(c, str) and c for c in command):
+                problems.append(f"command must hold non-empty strings only, got {list(command)!r}")
+            else:
+                cmd = tuple(command)
+
+        if isinstance(script_args, str) or not isinstance(script_args, Sequence):
+            problems.append(f"script_args must be a list of strings, got {script_args!r}")
+            args: tuple[str, ...] = ()
+        else:
+            args = tuple(str(a) for a in script_args)
+
+        env_map: dict[str, str] = {}
+        if env is None:
+            pass
+        elif not isinstance(env, Mapping):
+            problems.append(f"env must be a mapping of variable name to value, got {type(env).__name__}")
+        else:
+            for key, value in env.items():
+                if not isinstance(key, str) or not _ENV_NAME.match(key):
+                    problems.append(f"env: {key!r} is not a valid environment variable name")
+                    continue
+                if key in RESERVED_ENV:
+                    problems.append(
+                        f"env: {key} is set by torchrun/airflow-torchrun for every rank and cannot "
+                        "be overridden; remove it from env"
+                    )
+                    continue
+                env_map[key] = str(value)
+
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            problems.append(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+            backend_str = "local"
+        else:
+            backend_str = backend
+
+        if runtime is not None and (not isinstance(runtime, str) or not runtime):
+            problems.append(f"runtime must be a runtime name (string), got {runtime!r}")
+
+        port: int | None = None
+        if rdzv_port is not None:
+            if isinstance(rdzv_port, bool) or not isinstance(rdzv_port, int) or not 1 <= rdzv_port <= 65535:
+                problems.append(
+                    f"rdzv_port must be a TCP port between 1 and 65535, got {rdzv_port!r}; "
+                    "leave it unset to have a free port chosen"
+                )
+            else:
+                port = rdzv_port
+
+        threads: int | None = None
+        if threads_per_proc is not None:
+            threads = positive_int("threads_per_proc", threads_per_proc, "It sets OMP_NUM_THREADS per rank.")
+
+        spec_timeout = seconds("rdzv_timeout", rdzv_timeout)
+        spec_startup = seconds("startup_timeout", startup_timeout)
+        spec_grace = seconds("teardown_grace", teardown_grace)
+
+        if problems:
+            raise InvalidSpecError(problems, where)
+
+        spec = cls(
+            num_nodes=n,
+            nproc_per_node=p,
+            script=script_str,
+            command=cmd,
+            script_args=args,
+            env=MappingProxyType(env_map),
+            backend=backend_str,
+            runtime=runtime if isinstance(runtime, str) else None,
+            rdzv_port=port,
+            rdzv_timeout=spec_timeout,
+            startup_timeout=spec_startup,
+            teardown_grace=spec_grace,
+            threads_per_proc=threads,
+        )
+        if not allow_templates:
+            spec.check_rendered(where)
+        return spec
+
+    def check_rendered(self, where: str = "") -> None:
+        """Checks that need final values: no Jinja left, and a local script must exist."""
+        problems = []
+        leftovers = [v for v in (self.script, *self.command, *self.script_args, *self.env.values()) if is_templated(v)]
+        if leftovers:
+            problems.append(f"values still hold template markup after rendering: {leftovers!r}")
+        if self.backend == "local" and self.script and not is_templated(self.script):
+            path = Path(self.script)
+            if not path.is_file():
+                problems.append(
+                    f"script {self.script!r} does not exist (resolved to {path.resolve()}); "
+                    "give an absolute path, or a path relative to the directory the worker runs in"
+                )
+        if problems:
+            raise InvalidSpecError(problems, where)

@@ -1,0 +1,154 @@
+"""Rendezvous wiring: a pure function from a spec and a group identity to each node's command and env.
+
+Every backend runs exactly these commands; a backend only decides *where* a node runs.
+
+Rendezvous is torchrun's ``static`` backend: node ``i`` is torchrun's ``--node-rank i``, so global
+ranks are ``node_rank * nproc_per_node + local_rank`` on every backend (on Kubernetes the node rank
+is the Job's completion index). In-place restarts are off (``--max-restarts 0``): a failed group is
+torn down and Airflow's retry starts a new one that resumes from the latest checkpoint, which avoids
+torchrun's re-rendezvous hangs (see FIELD-NOTES).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from airflow_torchrun.spec import GroupSpec
+
+# Torchrun's default; used where every node has its own network namespace (Kubernetes).
+DEFAULT_MASTER_PORT = 29500
+# Which process is a worker of which group: every agent and rank inherits these, and teardown
+# finds stragglers (torchrun puts each worker in a session of its own) by them.
+GROUP_ID_VAR = "AIRFLOW_TORCHRUN_GROUP_ID"
+NODE_RANK_VAR = "AIRFLOW_TORCHRUN_NODE_RANK"
+WORKER_ENTRY = "airflow_torchrun.worker.launch"
+
+
+@dataclass(frozen=True)
+class GroupIdentity:
+    """Who a group belongs to: one try of one task instance."""
+
+    dag_id: str
+    task_id: str
+    run_id: str
+    try_number: int = 1
+    map_index: int = -1
+
+    @property
+    def group_id(self) -> str:
+        """A DNS-1123 label (<= 63 chars), deterministic and collision-safe for long ids."""
+        digest = hashlib.sha256(
+            f"{self.dag_id}\0{self.task_id}\0{self.run_id}\0{self.map_index}".encode()
+        ).hexdigest()[:10]
+        suffix = f"-{digest}-t{self.try_number}"
+        stem = _dns_label(f"{self.dag_id}-{self.task_id}")[: 63 - len(suffix)].rstrip("-") or "group"
+        return f"{stem}{suffix}"
+
+    def labels(self) -> dict[str, str]:
+        return {
+            "dag_id": self.dag_id,
+            "task_id": self.task_id,
+            "run_id": self.run_id,
+            "try_number": str(self.try_number),
+            "map_index": str(self.map_index),
+        }
+
+
+def _dns_label(text: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    group_id: str
+    spec: GroupSpec
+    identity: GroupIdentity
+    master_addr: str
+    master_port: int
+    nodes: tuple[NodePlan, ...] = field(default=())
+
+
+def threads_per_proc(spec: GroupSpec, cpus_per_node: float | None) -> int:
+    """OMP threads per rank: explicit, else the node's CPUs split between its ranks.
+
+    torchrun only sets OMP_NUM_THREADS=1 in some modes; two ranks fighting over two cores ran
+    2.7x slower (FIELD-NOTES), so the wiring always sets it.
+    """
+    if spec.threads_per_proc:
+        return spec.threads_per_proc
+    if not cpus_per_node:
+        return 1
+    return max(1, int(cpus_per_node // spec.nproc_per_node))
+
+
+def plan(
+    spec: GroupSpec,
+    identity: GroupIdentity,
+    *,
+    master_addr: str,
+    master_port: int,
+    python: str = "python",
+    log_dir: str | None = None,
+    cpus_per_node: float | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> GroupPlan:
+    """Render every node's torchrun command and environment. Pure: no I/O, no clock.
+
+    ``log_dir`` may hold ``{node_rank}``; ``extra_env`` carries what the operator adds to the
+    contract (checkpoint and MLflow variables) and wins over nothing the user set explicitly.
+    """
+    group_id = identity.group_id
+    nodes = []
+    for node_rank in range(spec.num_nodes):
+        argv = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={spec.num_nodes}",
+            f"--nproc-per-node={spec.nproc_per_node}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=static",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
+            f"--rdzv-conf=timeout={int(spec.rdzv_timeout)}",
+            f"--rdzv-id={group_id}",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+        ]
+        if log_dir is not None:
+            argv += ["--tee=3", f"--log-dir={log_dir.format(node_rank=node_rank)}"]
+        if spec.script is not None:
+            argv += ["-m", WORKER_ENTRY, spec.script]
+        else:
+            argv += ["--no-python", *spec.command]
+        argv += list(spec.script_args)
+
+        env: dict[str, str] = {
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(threads_per_proc(spec, cpus_per_node)),
+            # Each rank's lines carry their origin in the task log; ${rank} is torchrun's.
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[node {node_rank} rank ${{rank}}] ",
+        }
+        env.update(extra_env or {})
+        env.update(spec.env)
+        env[GROUP_ID_VAR] = group_id
+        env[NODE_RANK_VAR] = str(node_rank)
+        nodes.append(NodePlan(node_rank=node_rank, argv=tuple(argv), env=env))
+    return GroupPlan(
+        group_id=group_id,
+        spec=spec,
+        identity=identity,
+        master_addr=master_addr,
+        master_port=master_port,
+        nodes=tuple(nodes),
+    )
