@@ -100,6 +100,7 @@ class DistributedTrainingOperator(BaseOperator):
         self.poll_interval = float(poll_interval)
         self._handle: GroupHandle | None = None
         self._backend_obj: Backend | None = None
+        self._killed = False
         # Parse time: everything that is not a template is checked now.
         self._spec(allow_templates=True)
 
@@ -231,6 +232,8 @@ class DistributedTrainingOperator(BaseOperator):
         last_heartbeat = time.monotonic()
         last_state: tuple[str, ...] = ()
         while True:
+            if self._killed:
+                raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
             nodes = backend.observe(handle)
             status = group_status(
                 nodes, launched_at=handle.launched_at, now=time.time(), startup_timeout=handle.startup_timeout
@@ -257,6 +260,7 @@ class DistributedTrainingOperator(BaseOperator):
 
     def on_kill(self) -> None:
         """Task cleared, marked failed, or timed out in the UI: stop the whole group."""
+        self._killed = True
         if self._handle is not None and self._backend_obj is not None:
-            self.log.info("Tearing down group %s", self._handle.group_id)
+            self.log.info("on_kill: tearing down group %s", self._handle.group_id)
             self._backend_obj.teardown(self._handle)
