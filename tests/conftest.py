@@ -140,7 +140,10 @@ def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Cal
         dr = module.dag.test(run_conf=run_conf)
         out, err = capfd.readouterr()
         sys.stdout.write(out[-20000:])
-        tis = {ti.task_id: str(ti.state.value if hasattr(ti.state, "value") else ti.state) for ti in dr.get_task_instances()}
+        tis = {
+            ti.task_id: str(ti.state.value if hasattr(ti.state, "value") else ti.state)
+            for ti in dr.get_task_instances()
+        }
         return DagResult(
             state=str(dr.state.value if hasattr(dr.state, "value") else dr.state),
             task_states=tis,

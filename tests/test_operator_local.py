@@ -22,11 +22,9 @@ def _wait_for_group(state_dir: Path, since: float, timeout: float = 60.0) -> str
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for group_dir in (state_dir / "groups").glob("*"):
-            if group_dir.stat().st_mtime >= since and all(
-                (n / "supervisor.json").exists() for n in group_dir.glob("node-*")
-            ):
-                if list(group_dir.glob("node-*")):
-                    return group_dir.name
+            nodes = list(group_dir.glob("node-*"))
+            if group_dir.stat().st_mtime >= since and nodes and all((n / "supervisor.json").exists() for n in nodes):
+                return group_dir.name
         time.sleep(0.1)
     raise AssertionError("no group started")
 

@@ -33,6 +33,8 @@ _COLLATERAL = re.compile(
 # Errors a retry cannot fix: the script itself is broken.
 _PERMANENT = re.compile(r"^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|NameError)\b")
 TAIL_LINES = 20
+# Peer addresses differ from rank to rank; drop them so identical failures group together.
+_ADDRESS = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?(?::\d+)?")
 
 
 @dataclass(frozen=True)
@@ -122,9 +124,7 @@ def parse_error_file(text: str) -> tuple[int | None, str | None, str | None, flo
     )
 
 
-def merge(
-    reported: Iterable[RankFailure], error_files: Iterable[tuple[int, str]]
-) -> list[RankFailure]:
+def merge(reported: Iterable[RankFailure], error_files: Iterable[tuple[int, str]]) -> list[RankFailure]:
     """Join the agents' per-rank reports with the ranks' own error files (``(node_rank, text)``)."""
     by_rank: dict[tuple[int, int | None], RankFailure] = {(f.node_rank, f.rank): f for f in reported}
     for node_rank, text in error_files:
@@ -157,7 +157,7 @@ def _group_others(failures: Sequence[RankFailure]) -> list[str]:
     groups: dict[str, list[RankFailure]] = {}
     for f in failures:
         what = f.signal or (f"exit code {f.exit_code}" if f.exit_code is not None else "failed")
-        detail = (f.message or "").splitlines()[0][:160] if f.message else ""
+        detail = _ADDRESS.sub("<addr>", f.message.splitlines()[0])[:160] if f.message else ""
         groups.setdefault(f"{what}{': ' + detail if detail else ''}", []).append(f)
     out = []
     for what, members in groups.items():

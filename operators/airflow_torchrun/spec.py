@@ -126,8 +126,7 @@ class GroupSpec:
                 script_str = script
                 if not is_templated(script) and not script.endswith(".py"):
                     problems.append(
-                        f"script {script!r} is not a .py file; to run another executable use "
-                        "command=[...] instead"
+                        f"script {script!r} is not a .py file; to run another executable use command=[...] instead"
                     )
         cmd: tuple[str, ...] = ()
         if command is not None and command != ():
@@ -207,15 +206,14 @@ class GroupSpec:
             teardown_grace=spec_grace,
             threads_per_proc=threads,
         )
-        if not allow_templates:
-            spec.check_rendered(where)
+        spec.check_rendered(where, allow_templates=allow_templates)
         return spec
 
-    def check_rendered(self, where: str = "") -> None:
+    def check_rendered(self, where: str = "", *, allow_templates: bool = False) -> None:
         """Checks that need final values: no Jinja left, and a local script must exist."""
         problems = []
         leftovers = [v for v in (self.script, *self.command, *self.script_args, *self.env.values()) if is_templated(v)]
-        if leftovers:
+        if leftovers and not allow_templates:
             problems.append(f"values still hold template markup after rendering: {leftovers!r}")
         if self.backend == "local" and self.script and not is_templated(self.script):
             path = Path(self.script)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class NodePhase(str, Enum):
+class NodePhase(StrEnum):
     PENDING = "pending"  # launched, not yet running (pod unscheduled, supervisor not up yet)
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -32,7 +32,7 @@ class NodeObservation:
     stopped_by: str | None = None  # the node was stopped on purpose (teardown, kill)
 
 
-class GroupState(str, Enum):
+class GroupState(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -45,9 +45,7 @@ class Backend(Protocol):
 
     name: str
 
-    def plan(
-        self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]
-    ) -> GroupPlan: ...
+    def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan: ...
 
     def launch(self, plan: GroupPlan, *, watch_caller: bool) -> GroupHandle: ...
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from typing import Any
 from pathlib import Path
 
 from airflow_torchrun import diagnosis
@@ -230,7 +231,7 @@ def default_state_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".airflow-torchrun"
 
 
-def _read_json(path: Path) -> dict[str, object] | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):

@@ -1,0 +1,159 @@
+"""Local process hygiene with real torchrun agents: nothing is ever left behind.
+
+torchrun puts each worker in a session of its own, so neither killing an agent nor killing its
+process group reaches the workers (FIELD-NOTES). These tests kill things the hard way and check,
+by scanning processes (not by sleeping), that the group is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_torchrun.backends.local import LocalBackend
+from airflow_torchrun.backends.procs import group_pids
+from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.status import GroupState, NodePhase, group_status
+from airflow_torchrun.wiring import GroupIdentity
+
+pytestmark = pytest.mark.slow
+
+
+def _until(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _launch(tmp_path, tiny_script, *, watch_caller=False, **env):
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(
+        script=str(tiny_script),
+        num_nodes=2,
+        nproc_per_node=1,
+        env={"STEPS": "100000", "STEP_SECONDS": "0.1", **env},
+        teardown_grace=3,
+    )
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=watch_caller)
+    return backend, handle
+
+
+def _workers_running(backend, handle):
+    """Both ranks printed their first line: every process of the group exists."""
+    logs = [Path(p).read_text() if Path(p).exists() else "" for p in backend.log_locations(handle)]
+    return all("sum=3" in text for text in logs)
+
+
+def test_agent_killed_with_sigkill_leaves_no_orphaned_worker(tmp_path, tiny_script):
+    backend, handle = _launch(tmp_path, tiny_script)
+    try:
+        _until(lambda: _workers_running(backend, handle), what="ranks to start")
+        sup = json.loads((Path(handle.location) / "node-1" / "supervisor.json").read_text())
+        os.kill(sup["agent_pid"], signal.SIGKILL)
+        status = _until(
+            lambda: (
+                (
+                    s := group_status(
+                        backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60
+                    )
+                ).state.terminal
+                and s
+            ),
+            what="the group to fail",
+        )
+        assert status.state is GroupState.FAILED
+        assert status.nodes[1].signal == "SIGKILL"
+        # node 1's supervisor reaped the orphaned worker itself, before anyone tore the group down
+        assert group_pids(handle.group_id, node_rank=1) == []
+    finally:
+        backend.teardown(handle)
+    assert group_pids(handle.group_id) == []
+
+
+def test_supervisor_killed_is_lost_and_teardown_still_finds_every_process(tmp_path, tiny_script):
+    backend, handle = _launch(tmp_path, tiny_script)
+    try:
+        _until(lambda: _workers_running(backend, handle), what="ranks to start")
+        sup = json.loads((Path(handle.location) / "node-0" / "supervisor.json").read_text())
+        os.kill(sup["pid"], signal.SIGKILL)
+        nodes = _until(
+            lambda: (o := backend.observe(handle))[0].phase is NodePhase.LOST and o, what="node 0 to be lost"
+        )
+        assert "died without recording an outcome" in (nodes[0].reason or "")
+        assert group_pids(handle.group_id, node_rank=0), "agent and worker outlive their supervisor"
+    finally:
+        backend.teardown(handle)
+    assert group_pids(handle.group_id) == []
+    backend.teardown(handle)  # idempotent: nothing to do, no error
+
+
+def test_dead_caller_stops_the_group(tmp_path, tiny_script):
+    """Sync mode: when the Airflow task process dies (kill -9), its group follows."""
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time
+            sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+            from tests.test_local_backend import _launch
+            from pathlib import Path
+            backend, handle = _launch(Path({str(tmp_path)!r}), Path({str(tiny_script)!r}), watch_caller=True)
+            print(handle.group_id, flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(launcher)], stdout=subprocess.PIPE, text=True)
+    try:
+        group_id = proc.stdout.readline().strip()
+        assert group_id
+        backend = LocalBackend(tmp_path / "state")
+        _until(lambda: len(group_pids(group_id)) >= 6, what="2 supervisors, 2 agents and 2 workers")
+    finally:
+        proc.kill()
+        proc.wait()
+    _until(lambda: group_pids(group_id) == [], timeout=30, what="the group to stop after its caller died")
+    exits = [
+        json.loads((backend.state_dir / "groups" / group_id / f"node-{n}" / "exit.json").read_text()) for n in range(2)
+    ]
+    assert all("watched process" in (e["stopped_by"] or "") for e in exits)
+
+
+def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tiny_script):
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(tiny_script), num_nodes=2, nproc_per_node=1)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
+    status = _until(
+        lambda: (
+            (
+                s := group_status(
+                    backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60
+                )
+            ).state.terminal
+            and s
+        ),
+        what="the group to finish",
+    )
+    assert status.state is GroupState.SUCCEEDED
+    for n in range(2):
+        node_dir = Path(handle.location) / f"node-{n}"
+        assert json.loads((node_dir / "exit.json").read_text())["returncode"] == 0
+        assert f"[node {n} rank {n}] rank {n} done" in (node_dir / "node.log").read_text()
+        # torchrun's own per-rank files
+        assert list((node_dir / "torchrun").glob("*/attempt_0/0/stdout.log"))
+    # A relaunch of the same try keeps the earlier logs instead of overwriting them.
+    handle2 = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
+    backend.teardown(handle2)
+    assert len(list((backend.state_dir / "groups").glob(f"{handle.group_id}*"))) == 2

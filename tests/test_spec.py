@@ -1,0 +1,105 @@
+"""Invalid specs fail when the DAG is parsed, with a message that says what to fix."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.spec import GroupSpec
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"num_nodes": 0}, "num_nodes must be at least 1, got 0"),
+        ({"nproc_per_node": -2}, "nproc_per_node must be at least 1, got -2"),
+        ({"num_nodes": "2"}, "num_nodes must be a whole number"),
+        ({"num_nodes": True}, "num_nodes must be a whole number"),
+        ({"backend": "slurm"}, "backend 'slurm' is unknown; choose one of local, kubernetes"),
+        ({"rdzv_port": 70000}, "rdzv_port must be a TCP port between 1 and 65535"),
+        ({"rdzv_port": 0}, "rdzv_port must be a TCP port between 1 and 65535"),
+        ({"script": None}, "give exactly one of script"),
+        ({"command": ["x"]}, "give exactly one of script"),
+        ({"script": "train.sh"}, "is not a .py file; to run another executable use command="),
+        ({"script_args": "--lr 0.1"}, "script_args must be a list of strings"),
+        ({"env": {"WORLD_SIZE": "8"}}, "env: WORLD_SIZE is set by torchrun"),
+        ({"env": {"1BAD": "x"}}, "'1BAD' is not a valid environment variable name"),
+        ({"startup_timeout": 0}, "startup_timeout must be a positive number of seconds"),
+        ({"rdzv_timeout": -1}, "rdzv_timeout must be a positive number of seconds"),
+        ({"threads_per_proc": 0}, "threads_per_proc must be at least 1"),
+    ],
+)
+def test_invalid_values_are_named(kwargs, expected, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    args = {"script": str(script), **kwargs}
+    with pytest.raises(InvalidSpecError) as info:
+        GroupSpec.create(**args)
+    assert expected in str(info.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(InvalidSpecError) as info:
+        GroupSpec.create(num_nodes=0, nproc_per_node=0, script=str(tmp_path / "missing.py"), backend="x")
+    assert len(info.value.problems) == 3
+    # the missing script is checked only once the values are valid (no point in a fourth line)
+
+
+def test_missing_script_is_named_with_its_resolved_path(tmp_path):
+    with pytest.raises(InvalidSpecError, match=r"script '.*missing\.py' does not exist \(resolved to"):
+        GroupSpec.create(script=str(tmp_path / "missing.py"))
+
+
+def test_templated_values_wait_for_rendering(tmp_path):
+    spec = GroupSpec.create(script="{{ params.script }}", script_args=["{{ ds }}"], allow_templates=True)
+    assert spec.script == "{{ params.script }}"
+    with pytest.raises(InvalidSpecError, match="still hold template markup"):
+        spec.check_rendered()
+
+
+def test_spec_is_frozen(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=3, env={"A": 1})
+    assert spec.world_size == 6
+    assert spec.env["A"] == "1"
+    with pytest.raises(AttributeError):
+        spec.num_nodes = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.env["B"] = "2"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ("num_nodes=0", "num_nodes must be at least 1, got 0"),
+        ("nproc_per_node=-1", "nproc_per_node must be at least 1"),
+        ("backend='nomad'", "backend 'nomad' is unknown"),
+        ("rdzv_port=99999", "rdzv_port must be a TCP port between 1 and 65535"),
+        ("script='does/not/exist.py'", "script 'does/not/exist.py' does not exist"),
+    ],
+)
+def test_bad_spec_is_a_dag_import_error(args, expected, airflow_db, tmp_path, tiny_script):
+    """What a user sees in the UI's import errors: the DAG file fails to parse, naming the task."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    script = f"script={str(tiny_script)!r}, " if "script=" not in args else ""
+    dag_file = tmp_path / "bad_dag.py"
+    dag_file.write_text(
+        textwrap.dedent(
+            f"""
+            import pendulum
+            from airflow.sdk import DAG
+            from airflow_torchrun import DistributedTrainingOperator
+            with DAG("bad_spec", schedule=None, start_date=pendulum.datetime(2026, 1, 1)):
+                DistributedTrainingOperator(task_id="train", {script}{args})
+            """
+        )
+    )
+    bag = DagBag(dag_folder=str(dag_file))
+    assert not bag.dags
+    (error,) = bag.import_errors.values()
+    assert "Invalid torchrun group spec for task bad_spec.train" in error
+    assert expected in error
