@@ -29,7 +29,9 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": ["airflow_torchrun.operators.training"],
             }
         ],
-        "integrations": [{"integration-name": "torchrun", "external-doc-url": "https://pytorch.org/docs/stable/elastic/run.html"}],
+        "integrations": [
+            {"integration-name": "torchrun", "external-doc-url": "https://pytorch.org/docs/stable/elastic/run.html"}
+        ],
         "config": {
             "torchrun": {
                 "description": "Defaults for airflow-torchrun's training groups.",

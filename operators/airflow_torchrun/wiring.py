@@ -40,9 +40,9 @@ class GroupIdentity:
     @property
     def group_id(self) -> str:
         """A DNS-1123 label (<= 63 chars), deterministic and collision-safe for long ids."""
-        digest = hashlib.sha256(
-            f"{self.dag_id}\0{self.task_id}\0{self.run_id}\0{self.map_index}".encode()
-        ).hexdigest()[:10]
+        digest = hashlib.sha256(f"{self.dag_id}\0{self.task_id}\0{self.run_id}\0{self.map_index}".encode()).hexdigest()[
+            :10
+        ]
         suffix = f"-{digest}-t{self.try_number}"
         stem = _dns_label(f"{self.dag_id}-{self.task_id}")[: 63 - len(suffix)].rstrip("-") or "group"
         return f"{stem}{suffix}"
