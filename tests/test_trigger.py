@@ -1,0 +1,317 @@
+"""``GroupTrigger`` and ``GroupEvent``: serialization, and watching real local groups.
+
+The groups are real: torchrun agents under the local backend's supervisors, ranks on gloo over
+loopback, launched without a watched caller (as the deferrable operator launches them). The
+trigger runs under ``asyncio.run`` exactly as the triggerer would drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from airflow._shared.module_loading import import_string  # what the triggerer resolves classpaths with
+
+from airflow_torchrun.backends.base import GroupHandle
+from airflow_torchrun.backends.local import LocalBackend
+from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase
+from airflow_torchrun.triggers import GroupEvent, GroupEventStatus, GroupTrigger
+from airflow_torchrun.wiring import GroupIdentity
+
+# Every rank: join the group, one all_reduce, then act on argv[1]:
+#   ok      - finish at once
+#   fail    - rank 1 exits with code 7, rank 0 waits at a barrier that never completes
+#   release - wait until the file argv[2] exists, then finish (the test decides when)
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank {rank} joined, sum={int(t.item())}", flush=True)
+    mode = sys.argv[1]
+    if mode == "fail" and rank == 1:
+        sys.exit(7)
+    if mode == "release":
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.05)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+POLL = 0.1
+
+
+def handle_dict(**overrides: Any) -> dict[str, Any]:
+    base = GroupHandle(
+        backend="local",
+        group_id="g-0123456789-t1",
+        num_nodes=2,
+        launched_at=1_767_225_600.5,
+        location="/var/lib/torchrun/groups/g-0123456789-t1",
+        startup_timeout=600.0,
+        teardown_grace=10.0,
+        extra={"master_port": 29511, "world_size": 4},
+    ).to_dict()
+    return {**base, **overrides}
+
+
+async def first_event(trigger: GroupTrigger) -> GroupEvent:
+    async for event in trigger.run():
+        return GroupEvent.from_payload(event.payload)
+    raise AssertionError("the trigger stopped without an event")
+
+
+class Groups:
+    """Launches real local groups and makes sure none outlives its test."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.backend = LocalBackend(tmp_path / "state")
+        self.handles: list[GroupHandle] = []
+        self.script = tmp_path / "tiny_dist.py"
+        self.script.write_text(SCRIPT)
+
+    def launch(self, *args: str, num_nodes: int = 2, command: list[str] | None = None) -> GroupHandle:
+        spec = GroupSpec.create(
+            num_nodes=num_nodes,
+            nproc_per_node=1,
+            script=None if command else str(self.script),
+            command=command,
+            script_args=list(args),
+            teardown_grace=3.0,
+            threads_per_proc=1,
+        )
+        identity = GroupIdentity("trigger_test", "train", f"run-{uuid.uuid4().hex[:8]}")
+        plan = self.backend.plan(spec, identity, {})
+        handle = self.backend.launch(plan, watch_caller=False)
+        self.handles.append(handle)
+        return handle
+
+    def wait_running(self, handle: GroupHandle, deadline_s: float = 120.0) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if all(n.phase is NodePhase.RUNNING for n in self.backend.observe(handle)):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"group {handle.group_id} did not start: {self.backend.observe(handle)}")
+
+
+@pytest.fixture
+def groups(tmp_path: Path) -> Iterator[Groups]:
+    g = Groups(tmp_path)
+    yield g
+    for handle in g.handles:
+        g.backend.teardown(handle)
+        assert g.backend.running_pids(handle) == [], f"group {handle.group_id} left processes behind"
+
+
+# -- serialization ----------------------------------------------------------------------------
+
+
+def make_event(status: GroupEventStatus) -> GroupEvent:
+    nodes = (
+        NodeObservation(0, NodePhase.FAILED, exit_code=-15, signal="SIGTERM", started_at=1.0, stopped_by="SIGTERM"),
+        NodeObservation(1, NodePhase.FAILED, exit_code=1, started_at=1.0, finished_at=2.5, reason="OOMKilled"),
+    )
+    return GroupEvent(
+        status=status,
+        group_id="g-0123456789-t1",
+        handle=GroupHandle.from_dict(handle_dict()),
+        failed_node=1,
+        reason="node 1 exited with code 1 (OOMKilled)",
+        nodes=nodes,
+    )
+
+
+@pytest.mark.parametrize("status", list(GroupEventStatus))
+def test_event_payload_round_trips_through_json_and_airflow(status: GroupEventStatus) -> None:
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    event = make_event(status)
+    payload = event.to_payload()
+    assert payload["status"] == status.value
+    assert payload["nodes"][1]["phase"] == "failed"
+    assert GroupEvent.from_payload(json.loads(json.dumps(payload))) == event
+    stored = BaseSerialization.deserialize(BaseSerialization.serialize(payload))
+    assert GroupEvent.from_payload(stored) == event
+    assert event.node_exit_codes == [-15, 1]
+
+
+def test_event_maps_back_to_the_group_status_explain_needs() -> None:
+    status = GroupStatus(GroupState.STARTUP_TIMEOUT, (NodeObservation(0, NodePhase.PENDING),), 0, "node(s) 0 ...")
+    event = GroupEvent.from_status(GroupHandle.from_dict(handle_dict()), status)
+    assert event.status is GroupEventStatus.STARTUP_TIMEOUT
+    assert GroupEvent.from_payload(event.to_payload()).group_status() == status
+    assert make_event(GroupEventStatus.PROGRESS_TIMEOUT).group_status().state is GroupState.FAILED
+    with pytest.raises(ValueError, match="still running"):
+        GroupEvent.from_status(GroupHandle.from_dict(handle_dict()), GroupStatus(GroupState.RUNNING))
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        ({"status": "failed"}, r"missing \['group_id', 'handle'\]"),
+        ({**make_event(GroupEventStatus.FAILED).to_payload(), "status": "exploded"}, "malformed.*exploded"),
+        ({**make_event(GroupEventStatus.FAILED).to_payload(), "rank": 3}, r"unknown \['rank'\]"),
+        ("succeeded", "is a dict"),
+    ],
+)
+def test_event_rejects_foreign_payloads(payload: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GroupEvent.from_payload(payload)
+
+
+def test_trigger_serialize_round_trips_and_classpath_imports() -> None:
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    trigger = GroupTrigger(handle_dict(), poll_interval=2, progress_timeout=900)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "airflow_torchrun.triggers.GroupTrigger"
+    assert import_string(classpath) is GroupTrigger
+    assert kwargs == {"handle": handle_dict(), "poll_interval": 2.0, "progress_timeout": 900.0}
+    # as the triggerer does it: stored, read back, re-instantiated
+    stored = BaseSerialization.deserialize(BaseSerialization.serialize(kwargs))
+    again = import_string(classpath)(**stored)
+    assert again.serialize() == (classpath, kwargs)
+    assert again.handle == GroupHandle.from_dict(handle_dict())
+
+
+def test_trigger_rejects_bad_arguments_with_every_problem() -> None:
+    with pytest.raises(ValueError) as err:
+        GroupTrigger(handle_dict(backend="slurm"), poll_interval=0, progress_timeout=-1)
+    text = str(err.value)
+    assert "backend 'slurm'" in text
+    assert "poll_interval must be a positive number" in text
+    assert "progress_timeout must be a positive number" in text
+    with pytest.raises(ValueError, match=r"GroupHandle.to_dict\(\)"):
+        GroupTrigger({"group_id": "x"})
+
+
+# -- watching on-disk state without processes -------------------------------------------------
+
+
+def test_startup_timeout_when_no_node_ever_starts(tmp_path: Path) -> None:
+    # A group directory whose supervisors never came up (nothing recorded on disk).
+    location = tmp_path / "state" / "groups" / "g-never-t1"
+    (location / "node-0").mkdir(parents=True)
+    handle = handle_dict(
+        group_id="g-never-t1", num_nodes=1, location=str(location), launched_at=time.time(), startup_timeout=0.3
+    )
+    event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.05)))
+    assert event.status is GroupEventStatus.STARTUP_TIMEOUT
+    assert event.failed_node == 0
+    assert "did not start within startup_timeout=0.3s" in event.reason
+
+
+def test_error_event_when_the_group_cannot_be_read(tmp_path: Path) -> None:
+    location = tmp_path / "state" / "groups" / "g-corrupt-t1"
+    (location / "node-0").mkdir(parents=True)
+    (location / "node-0" / "exit.json").write_text('{"returncode": "not a number"}')
+    handle = handle_dict(group_id="g-corrupt-t1", num_nodes=1, location=str(location), launched_at=time.time())
+    event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.01)))
+    assert event.status is GroupEventStatus.ERROR
+    assert "could not observe the group 3 times in a row" in event.reason
+    assert "not a number" in event.reason
+
+
+# -- watching real groups ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_success(groups: Groups) -> None:
+    handle = groups.launch("ok")
+    event = asyncio.run(first_event(GroupTrigger(handle.to_dict(), poll_interval=POLL)))
+    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.group_id == handle.group_id
+    assert event.node_exit_codes == [0, 0]
+    assert event.handle == handle
+    assert groups.backend.running_pids(handle) == []
+
+
+@pytest.mark.slow
+def test_rank_exiting_with_code_7_names_the_node(groups: Groups) -> None:
+    handle = groups.launch("fail")
+    event = asyncio.run(first_event(GroupTrigger(handle.to_dict(), poll_interval=POLL)))
+    assert event.status is GroupEventStatus.FAILED
+    assert event.failed_node == 1
+    assert event.reason.startswith("node 1 exited with code 1")  # the agent's code; the rank's is in its report
+    # What the operator's re-entry does with the event: tear down, then explain.
+    groups.backend.teardown(event.handle)
+    assert groups.backend.running_pids(handle) == []
+    report = groups.backend.explain(event.handle, event.group_status())
+    assert "rank 1 (node 1, local rank 0) exited with code 7" in report.message
+
+
+@pytest.mark.slow
+def test_triggerer_restart_resumes_watching_and_never_touches_the_group(groups: Groups) -> None:
+    release = groups.tmp_path / "release"
+    handle = groups.launch("release", str(release))
+    first = GroupTrigger(handle.to_dict(), poll_interval=POLL)
+
+    async def restart() -> tuple[bool, GroupEvent]:
+        watching = asyncio.create_task(first_event(first))
+        await asyncio.to_thread(groups.wait_running, handle)
+        await asyncio.sleep(3 * POLL)  # a few polls of a running group
+        watching.cancel()  # what a triggerer shutting down does
+        with pytest.raises(asyncio.CancelledError):
+            await watching
+        await asyncio.sleep(1.0)  # time for a wrongly stopped group to show it
+        still_running = bool(groups.backend.running_pids(handle)) and not any(
+            (Path(handle.location) / f"node-{n}" / "exit.json").exists() for n in range(handle.num_nodes)
+        )
+        classpath, kwargs = first.serialize()
+        second = import_string(classpath)(**json.loads(json.dumps(kwargs)))  # a new triggerer's copy
+        resumed = asyncio.create_task(first_event(second))
+        await asyncio.sleep(3 * POLL)
+        release.touch()
+        return still_running, await resumed
+
+    still_running, event = asyncio.run(restart())
+    assert still_running, "cancelling the trigger stopped the group"
+    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.node_exit_codes == [0, 0]
+
+
+@pytest.mark.slow
+def test_progress_timeout_then_on_kill_tears_down(groups: Groups) -> None:
+    # One node whose only rank says it is up, then hangs silently: its log stops growing.
+    hang = "import time; print('rank up', flush=True); time.sleep(120)"
+    handle = groups.launch(num_nodes=1, command=[sys.executable, "-c", hang])
+    log = Path(groups.backend.log_locations(handle)[0])
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "rank up" in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"the rank never came up; log: {log}"
+        time.sleep(0.05)
+    trigger = GroupTrigger(handle.to_dict(), poll_interval=POLL, progress_timeout=1.5)
+    event = asyncio.run(first_event(trigger))
+    assert event.status is GroupEventStatus.PROGRESS_TIMEOUT
+    assert "progress_timeout=1.5s" in event.reason
+    assert groups.backend.running_pids(handle), "the trigger itself must not stop the group"
+    asyncio.run(trigger.on_kill())  # the user marks the deferred task failed
+    assert groups.backend.running_pids(handle) == []
+
+
+def test_importing_the_trigger_loads_no_heavy_library() -> None:
+    code = (
+        "import sys, airflow_torchrun.triggers\n"
+        "heavy = sorted({'torch', 'kubernetes', 's3fs', 'mlflow'} & set(sys.modules))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
