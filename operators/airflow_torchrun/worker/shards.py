@@ -1,0 +1,151 @@
+"""Inside a rank: read this rank's shard(s) of the dataset named by ``TRAIN_SHARD_MANIFEST``.
+
+``ShardDatasetOperator`` writes the shards and a manifest; the training operator passes the
+manifest's URI to every rank as ``TRAIN_SHARD_MANIFEST``. Typical use in a training script::
+
+    from airflow_torchrun.worker.shards import load_shard
+
+    data = load_shard()              # this rank's rows: {"x": ndarray, "y": ndarray, ...}
+    features = torch.from_numpy(data["x"])
+
+No Airflow import here. S3 credentials and endpoint come from the usual AWS variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...) or ``storage_options``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from airflow_torchrun.errors import TorchrunError
+from airflow_torchrun.sharding import Columns, Manifest, concat_columns, read_manifest, read_shard
+
+log = logging.getLogger(__name__)
+
+MANIFEST_ENV = "TRAIN_SHARD_MANIFEST"
+
+
+class ShardAssignmentError(TorchrunError, ValueError):
+    """This rank cannot be given a shard (no manifest, or more ranks than shards)."""
+
+
+def manifest_uri() -> str:
+    """The manifest URI from ``TRAIN_SHARD_MANIFEST``; a clear error when it is not set."""
+    uri = os.environ.get(MANIFEST_ENV, "").strip()
+    if not uri:
+        raise ShardAssignmentError(
+            f"{MANIFEST_ENV} is not set, so this rank does not know which dataset shards to read. "
+            "Run the script through DistributedTrainingOperator after a ShardDatasetOperator task "
+            f"(it sets {MANIFEST_ENV}), or set {MANIFEST_ENV} to a manifest.json URI yourself"
+        )
+    return uri
+
+
+def load_manifest(uri: str | None = None, *, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """The shard manifest at ``uri`` (default: ``TRAIN_SHARD_MANIFEST``)."""
+    return read_manifest(uri or manifest_uri(), storage_options)
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    def from_env(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError as exc:
+            raise ShardAssignmentError(f"{name}={raw!r} is not a whole number") from exc
+
+    r = from_env("RANK", 0) if rank is None else rank
+    w = from_env("WORLD_SIZE", 1) if world_size is None else world_size
+    if w < 1 or not 0 <= r < w:
+        raise ShardAssignmentError(f"rank {r} is not within world size {w}")
+    return r, w
+
+
+def assigned_shards(rank: int, world_size: int, num_shards: int) -> list[int]:
+    """Indices of the shards rank ``rank`` reads: ``rank, rank + world_size, rank + 2*world_size, ...``.
+
+    Round-robin, so ranks get disjoint shards that together cover all of them. With as many
+    shards as ranks (the default of ``ShardDatasetOperator``) every rank gets exactly its own.
+    More ranks than shards cannot work (some ranks would get no data and stall the collective
+    ops of the others) and raises :class:`ShardAssignmentError`.
+    """
+    if world_size > num_shards:
+        raise ShardAssignmentError(
+            f"the manifest has {num_shards} shard(s) but the world size is {world_size}: ranks "
+            f"{num_shards}..{world_size - 1} would get no data. Shard the dataset into at least "
+            f"{world_size} shards (num_shards = num_nodes * nproc_per_node of the training task)"
+        )
+    return list(range(rank, num_shards, world_size))
+
+
+def shard_paths(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    manifest: Manifest | None = None,
+) -> list[str]:
+    """URIs of the shard files this rank reads (see :func:`assigned_shards` for the rule).
+
+    ``rank`` and ``world_size`` default to torchrun's ``RANK`` and ``WORLD_SIZE``.
+    """
+    m = manifest or load_manifest()
+    r, w = _rank_and_world(rank, world_size)
+    return [m.shards[i].uri for i in assigned_shards(r, w, m.num_shards)]
+
+
+def load_shard(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    manifest: Manifest | None = None,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Columns:
+    """This rank's training rows, as ``{column: numpy array}`` (first axis = rows).
+
+    For Parquet and CSV one array per column; for ``.npz`` the file's arrays by name (an array
+    of shape ``(n, 32)`` stays two-dimensional). Shards are disjoint across ranks. When the world
+    size differs from the number of shards, shards are assigned round-robin (rank ``r`` reads
+    shards ``r, r + world_size, ...``, concatenated in that order); ranks may then hold
+    different numbers of rows, which is logged. Each file's SHA-256 is checked against the
+    manifest (``verify=False`` skips that).
+
+    :param rank: Defaults to ``RANK``.
+    :param world_size: Defaults to ``WORLD_SIZE``.
+    :param manifest: A manifest already loaded; by default the one at ``TRAIN_SHARD_MANIFEST``.
+    :param verify: Check checksums (raises ``ShardIntegrityError`` on a mismatch).
+    :param storage_options: fsspec options for the shard files (e.g. an S3 endpoint).
+    """
+    m = manifest or load_manifest(storage_options=storage_options)
+    r, w = _rank_and_world(rank, world_size)
+    indices = assigned_shards(r, w, m.num_shards)
+    if m.num_shards % w:
+        log.warning(
+            "Rank %d of %d reads %d of %d shards (round-robin): ranks hold different numbers of rows",
+            r,
+            w,
+            len(indices),
+            m.num_shards,
+        )
+    parts = [read_shard(m.shards[i], m, verify=verify, storage_options=storage_options) for i in indices]
+    return concat_columns(parts)
+
+
+def load_eval_split(
+    *,
+    manifest: Manifest | None = None,
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Columns:
+    """The held-out evaluation rows (the same on every rank), as ``{column: numpy array}``."""
+    m = manifest or load_manifest(storage_options=storage_options)
+    if m.eval is None:
+        raise ShardAssignmentError(
+            "the shard manifest has no evaluation split (it was written with eval_fraction=0); "
+            "re-shard with eval_fraction > 0 to hold rows out for evaluation"
+        )
+    return read_shard(m.eval, m, verify=verify, storage_options=storage_options)
