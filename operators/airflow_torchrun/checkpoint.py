@@ -1,0 +1,560 @@
+"""Checkpoint store on fsspec: step directories, a commit marker written last, latest, retention.
+
+Layout under a checkpoint URI (``file://`` or a plain local path by default, ``s3://`` through s3fs)::
+
+    <uri>/step-00000120/state.pt      (what the ranks wrote: any files, any depth)
+    <uri>/step-00000120/rng.pt
+    <uri>/step-00000120/COMMITTED     (JSON: step, time, world size, files and sizes; written last)
+
+A step directory without ``COMMITTED`` is *torn* (a writer died, or is still writing): it is never
+resumed and never counted for retention. "Latest" is the newest committed step.
+
+This module imports neither Airflow nor torch: the operator uses it before any rank starts
+(:meth:`CheckpointStore.check_access`, :func:`resolve_resume`) and the worker helpers in
+:mod:`airflow_torchrun.worker.checkpoint` use it inside the ranks.
+
+S3 settings come from the standard AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``; any other credential source
+botocore knows works too), overridden by an explicit ``storage_options`` dict (s3fs's arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from airflow_torchrun.errors import StorageError
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_SCHEMES = ("file", "s3")
+STEP_PREFIX = "step-"
+STEP_DIGITS = 8
+COMMIT_MARKER = "COMMITTED"
+MARKER_VERSION = 1
+RESUME_AUTO = "auto"
+RESUME_NEVER = "never"
+
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+# S3's bucket naming rules (lower case, 3-63 chars, no leading/trailing dot or hyphen).
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+# check_access must answer within a few seconds even when the endpoint is down.
+CHECK_CONNECT_TIMEOUT = 2.0
+CHECK_READ_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A committed checkpoint: the URI of its step directory and its step."""
+
+    uri: str
+    step: int
+
+
+@dataclass(frozen=True)
+class CheckpointLocation:
+    """A validated checkpoint URI split into what fsspec needs."""
+
+    uri: str  # canonical: file:///abs/path or s3://bucket/prefix, no trailing slash
+    scheme: str
+    path: str  # fsspec path: /abs/path or bucket/prefix
+    bucket: str | None = None
+
+
+def parse_uri(uri: str) -> CheckpointLocation:
+    """Validate a checkpoint URI and return its canonical form.
+
+    Accepts ``s3://bucket[/prefix]``, ``file:///abs/path`` and plain local paths (made absolute).
+    Raises :class:`StorageError` saying what is wrong and what a valid URI looks like.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise StorageError(
+            f"checkpoint URI must be a non-empty string, got {uri!r}; use s3://bucket/prefix or file:///abs/path"
+        )
+    uri = uri.strip()
+    if "://" not in uri:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", uri) and not re.match(r"^[A-Za-z]:[\\/]", uri):
+            raise StorageError(
+                f"checkpoint URI {uri!r} is malformed: write the scheme as scheme://, e.g. s3://bucket/prefix"
+            )
+        path = os.path.abspath(os.path.expanduser(uri))
+        return CheckpointLocation(uri=f"file://{path}", scheme="file", path=path)
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in SUPPORTED_SCHEMES:
+        raise StorageError(
+            f"checkpoint URI {uri!r} has the unsupported scheme {parts.scheme!r}; "
+            f"use one of: {', '.join(s + '://' for s in SUPPORTED_SCHEMES)} (or a plain local path)"
+        )
+    if parts.query or parts.fragment:
+        raise StorageError(f"checkpoint URI {uri!r} must not carry a query or fragment (?... or #...)")
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise StorageError(
+                f"checkpoint URI {uri!r} names the host {parts.netloc!r}; a file URI needs an absolute path "
+                f"after three slashes, e.g. file:///{parts.netloc}{parts.path}"
+            )
+        if not parts.path.startswith("/"):
+            raise StorageError(f"checkpoint URI {uri!r} has no absolute path; use file:///abs/path")
+        path = os.path.normpath(parts.path)
+        return CheckpointLocation(uri=f"file://{path}", scheme="file", path=path)
+    bucket = parts.netloc
+    if not bucket:
+        raise StorageError(f"checkpoint URI {uri!r} has no bucket name; use s3://BUCKET/prefix")
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise StorageError(
+            f"checkpoint URI {uri!r}: {bucket!r} is not a valid S3 bucket name "
+            "(3-63 characters: lower-case letters, digits, dots and hyphens; starts and ends with a letter or digit)"
+        )
+    prefix = "/".join(p for p in parts.path.split("/") if p)
+    path = f"{bucket}/{prefix}" if prefix else bucket
+    return CheckpointLocation(uri=f"s3://{path}", scheme="s3", path=path, bucket=bucket)
+
+
+def normalize_uri(uri: str) -> str:
+    """The canonical form of a checkpoint URI (for comparing two URIs)."""
+    return parse_uri(uri).uri
+
+
+def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """s3fs options that botocore would not pick up from the environment on every version.
+
+    Credentials and region are left to botocore's own chain (env, profile, web identity, instance
+    role); the endpoint is passed explicitly so that ``AWS_ENDPOINT_URL`` works with older botocore.
+    """
+    env = os.environ if env is None else env
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    return {"endpoint_url": endpoint} if endpoint else {}
+
+
+def _merge_options(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _endpoint_of(options: Mapping[str, Any]) -> str:
+    client_kwargs = options.get("client_kwargs") or {}
+    return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or "the default AWS S3 endpoint")
+
+
+def _make_filesystem(location: CheckpointLocation, options: Mapping[str, Any]) -> AbstractFileSystem:
+    import fsspec
+
+    if location.scheme == "file":
+        return fsspec.filesystem("file")
+    try:
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        raise StorageError(
+            f"{location.uri} needs s3fs, which is not installed here; install airflow-torchrun[s3] (or s3fs)"
+        ) from exc
+    return fsspec.filesystem("s3", **options)
+
+
+class CheckpointStore:
+    """Committed checkpoints under one URI: layout, commit marker, latest, retention, access check.
+
+    :param uri: ``s3://bucket/prefix``, ``file:///abs/path`` or a local path.
+    :param storage_options: s3fs arguments (``key``, ``secret``, ``token``, ``endpoint_url``,
+        ``client_kwargs``, ``config_kwargs``...). They override what the AWS environment variables say.
+        Ignored for local paths.
+    """
+
+    def __init__(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.location = parse_uri(uri)
+        self.uri = self.location.uri
+        base = s3_options_from_env() if self.location.scheme == "s3" else {}
+        self.storage_options: dict[str, Any] = (
+            _merge_options(base, storage_options or {}) if self.location.scheme == "s3" else {}
+        )
+        self._fs: AbstractFileSystem | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.uri!r})"
+
+    # -- paths ------------------------------------------------------------------------------
+    @property
+    def fs(self) -> AbstractFileSystem:
+        """The fsspec filesystem (created on first use)."""
+        if self._fs is None:
+            self._fs = _make_filesystem(self.location, self.storage_options)
+        return self._fs
+
+    @staticmethod
+    def step_name(step: int) -> str:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be a whole number >= 0, got {step!r}")
+        return f"{STEP_PREFIX}{step:0{STEP_DIGITS}d}"
+
+    def step_uri(self, step: int) -> str:
+        """URI of the directory that holds ``step``."""
+        return f"{self.uri}/{self.step_name(step)}"
+
+    def step_path(self, step: int) -> str:
+        """fsspec path of the directory that holds ``step`` (for ``self.fs``)."""
+        return f"{self.location.path}/{self.step_name(step)}"
+
+    def path_of(self, uri: str) -> str:
+        """fsspec path of a URI under this store's scheme."""
+        return parse_uri(uri).path
+
+    def _marker_path(self, step: int) -> str:
+        return f"{self.step_path(step)}/{COMMIT_MARKER}"
+
+    # -- reading ----------------------------------------------------------------------------
+    def _step_dirs(self) -> list[int]:
+        """Steps of every step directory, committed or not, ascending."""
+        fs = self.fs
+        fs.invalidate_cache(self.location.path)
+        try:
+            entries = fs.ls(self.location.path, detail=True)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            match = _STEP_DIR.match(name)
+            if match and entry.get("type") == "directory":
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def is_committed(self, step: int) -> bool:
+        """True when ``step`` has its commit marker."""
+        path = self._marker_path(step)
+        self.fs.invalidate_cache(self.step_path(step))
+        return bool(self.fs.exists(path))
+
+    def committed(self) -> list[CheckpointRef]:
+        """Every committed checkpoint, oldest first."""
+        return [CheckpointRef(self.step_uri(s), s) for s in self._step_dirs() if self.is_committed(s)]
+
+    def latest(self) -> CheckpointRef | None:
+        """The newest committed checkpoint, or None when there is none (torn directories are skipped)."""
+        for step in reversed(self._step_dirs()):
+            if self.is_committed(step):
+                return CheckpointRef(self.step_uri(step), step)
+        return None
+
+    def read_marker(self, step: int) -> dict[str, Any]:
+        """The commit marker of ``step``; :class:`StorageError` if the step is not committed."""
+        try:
+            raw = self.fs.cat_file(self._marker_path(step))
+        except FileNotFoundError:
+            raise StorageError(
+                f"checkpoint {self.step_uri(step)} is not committed (no {COMMIT_MARKER} marker): it was torn by a "
+                "failure or is still being written; resume from a committed step or from the checkpoint root"
+            ) from None
+        try:
+            marker = json.loads(raw)
+        except ValueError as exc:
+            raise StorageError(f"commit marker of {self.step_uri(step)} is not valid JSON: {exc}") from exc
+        if not isinstance(marker, dict):
+            raise StorageError(f"commit marker of {self.step_uri(step)} is not a JSON object")
+        return marker
+
+    # -- writing ----------------------------------------------------------------------------
+    def list_files(self, step: int) -> dict[str, int]:
+        """Files under the step directory (relative path -> size), without the marker."""
+        root = self.step_path(step)
+        self.fs.invalidate_cache(root)
+        try:
+            found = self.fs.find(root, detail=True)
+        except FileNotFoundError:
+            return {}
+        files = {}
+        for name, info in found.items():
+            rel = name[len(root) :].lstrip("/") if name.startswith(root) else name.rsplit("/", 1)[-1]
+            if rel and rel != COMMIT_MARKER and info.get("type") != "directory":
+                files[rel] = int(info.get("size") or 0)
+        return dict(sorted(files.items()))
+
+    def commit(self, step: int, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
+        """Write the commit marker of ``step``: call it only once every file of the step is written.
+
+        The marker records the step, the time, the files with their sizes and ``meta`` (world
+        size, format...). It is written in one piece (a rename locally, a single PUT on S3), so a
+        reader sees either no marker or a complete one.
+        """
+        files = self.list_files(step)
+        if not files:
+            raise StorageError(f"refusing to commit {self.step_uri(step)}: the step directory holds no files")
+        marker: dict[str, Any] = dict(meta or {})
+        marker.update(
+            {
+                "version": MARKER_VERSION,
+                "step": step,
+                "committed_at": time.time(),
+                "files": files,
+                "total_bytes": sum(files.values()),
+            }
+        )
+        data = json.dumps(marker, indent=1, sort_keys=True).encode()
+        path = self._marker_path(step)
+        if self.location.scheme == "file":
+            tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as fp:
+                fp.write(data)
+                fp.flush()
+                os.fsync(fp.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(self.step_path(step))
+        else:
+            self.fs.pipe_file(path, data)
+        return CheckpointRef(self.step_uri(step), step)
+
+    def delete_step(self, step: int) -> None:
+        """Remove a step directory; the marker goes first so a half-deleted step is never 'committed'."""
+        marker = self._marker_path(step)
+        if self.fs.exists(marker):
+            self.fs.rm_file(marker)
+        try:
+            self.fs.rm(self.step_path(step), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.location.path)
+
+    def prune(self, keep_last: int, protect: Collection[str] = ()) -> list[str]:
+        """Delete old checkpoints; return the URIs deleted.
+
+        Keeps the newest ``keep_last`` committed steps; never deletes a URI in ``protect`` (the
+        checkpoint being resumed from) nor the newest committed one. Torn directories older than
+        the newest committed step are removed too (they can never be resumed); newer torn ones may
+        still be in the middle of being written and are left alone.
+        """
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be a whole number >= 1, got {keep_last!r}")
+        protected = {normalize_uri(u) for u in protect if u}
+        steps = self._step_dirs()
+        committed = [s for s in steps if self.is_committed(s)]
+        if not committed:
+            return []
+        keep = set(committed[-keep_last:])
+        newest = committed[-1]
+        deleted = []
+        for step in steps:
+            if step in keep or step >= newest or self.step_uri(step) in protected:
+                continue
+            self.delete_step(step)
+            deleted.append(self.step_uri(step))
+        if deleted:
+            log.info("Pruned %d checkpoint(s) under %s: %s", len(deleted), self.uri, ", ".join(deleted))
+        return deleted
+
+    # -- access check -----------------------------------------------------------------------
+    def check_access(self, *, write: bool = True) -> None:
+        """Fail fast, before any rank starts, when this store cannot be used.
+
+        Checks that the location is reachable, exists (the bucket) and that the credentials may
+        list it and, with ``write``, write to it (a small probe object is written and deleted).
+        Raises :class:`StorageError` naming the cause and the fix: malformed URI (at construction),
+        unreachable endpoint, missing bucket, unknown access key, wrong secret, access denied.
+        Takes at most a few seconds even when the endpoint does not answer.
+        """
+        if self.location.scheme == "file":
+            self._check_local(write)
+        else:
+            self._check_s3(write)
+
+    def _check_local(self, write: bool) -> None:
+        path = self.location.path
+        try:
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise StorageError(f"checkpoint location {self.uri} exists but is a file, not a directory")
+            if not write:
+                return
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, f".access-check-{uuid.uuid4().hex}")
+            with open(probe, "wb") as fp:
+                fp.write(b"ok")
+            os.remove(probe)
+        except PermissionError as exc:
+            raise StorageError(
+                f"checkpoint location {self.uri} is not writable by this user ({exc.strerror}); "
+                "choose a directory the worker can write to, or fix its permissions"
+            ) from exc
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError(f"checkpoint location {self.uri} cannot be used: {exc}") from exc
+
+    def _check_s3(self, write: bool) -> None:
+        options = _merge_options(
+            self.storage_options,
+            {
+                "skip_instance_cache": True,
+                "config_kwargs": {
+                    "connect_timeout": CHECK_CONNECT_TIMEOUT,
+                    "read_timeout": CHECK_READ_TIMEOUT,
+                    "retries": {"max_attempts": 1, "mode": "standard"},
+                },
+            },
+        )
+        fs = _make_filesystem(self.location, options)
+        # s3fs retries some errors itself, with back-off; one attempt is enough to diagnose.
+        fs.retries = 1  # type: ignore[attr-defined]
+        bucket = self.location.bucket or ""
+        prefix = self.location.path[len(bucket) :].strip("/")
+        endpoint = _endpoint_of(options)
+        try:
+            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+            if write:
+                probe = f"{self.location.path}/.access-check-{uuid.uuid4().hex}"
+                fs.pipe_file(probe, b"ok")
+                fs.rm_file(probe)
+        except Exception as exc:
+            raise StorageError(describe_s3_error(exc, uri=self.uri, bucket=bucket, endpoint=endpoint)) from exc
+
+
+def _fsync_dir(path: str) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code (``NoSuchBucket``, ``AccessDenied``...) found anywhere in the exception chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            if code:
+                return str(code)
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+def _chain_names(exc: BaseException) -> set[str]:
+    names: set[str] = set()
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names.update(cls.__name__ for cls in type(current).__mro__)
+        current = current.__cause__ or current.__context__
+    return names
+
+
+def describe_s3_error(exc: BaseException, *, uri: str, bucket: str, endpoint: str) -> str:
+    """Turn an s3fs/botocore failure into: what happened, the likely cause, what to change."""
+    code = _error_code(exc)
+    names = _chain_names(exc)
+    if code in ("InvalidAccessKeyId", "InvalidClientTokenId"):
+        return (
+            f"cannot use {uri}: {endpoint} does not know the access key id ({code}). "
+            "Check AWS_ACCESS_KEY_ID / the connection's login, and that it belongs to this endpoint"
+        )
+    if code == "SignatureDoesNotMatch":
+        return (
+            f"cannot use {uri}: the secret key does not match the access key id ({code}). "
+            "Check AWS_SECRET_ACCESS_KEY / the connection's password"
+        )
+    if code in ("ExpiredToken", "TokenRefreshRequired", "InvalidToken"):
+        return f"cannot use {uri}: the session token is expired or invalid ({code}); refresh AWS_SESSION_TOKEN"
+    if code in ("AccessDenied", "AllAccessDisabled", "403") or (not code and "PermissionError" in names):
+        return (
+            f"cannot use {uri}: access denied ({code or 'PermissionError'}). The credentials are valid but may "
+            f"not list and write s3://{bucket}; grant s3:ListBucket, s3:GetObject, s3:PutObject and "
+            "s3:DeleteObject on it"
+        )
+    if code in ("NoSuchBucket", "404") or (not code and "FileNotFoundError" in names):
+        return f"cannot use {uri}: the bucket {bucket!r} does not exist at {endpoint}; create it or fix the bucket name"
+    if "NoCredentialsError" in names or "PartialCredentialsError" in names:
+        return (
+            f"cannot use {uri}: no AWS credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "give the task an AWS connection, or pass storage_options"
+        )
+    if names & {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "TimeoutError",
+        "ConnectionError",
+        "FSTimeoutError",
+    }:
+        return (
+            f"cannot use {uri}: the S3 endpoint {endpoint} cannot be reached ({type(exc).__name__}: {exc}). "
+            "Check AWS_ENDPOINT_URL / the connection's endpoint_url and that the server is up and reachable "
+            "from the workers"
+        )
+    detail = f" ({code})" if code else ""
+    return f"cannot use {uri}{detail}: {type(exc).__name__}: {exc}"
+
+
+def resolve_resume(
+    checkpoint_uri: str, resume: str, storage_options: Mapping[str, Any] | None = None
+) -> CheckpointRef | None:
+    """Decide which committed checkpoint a new try starts from.
+
+    :param checkpoint_uri: where this task's checkpoints go.
+    :param resume: ``"auto"``: the latest committed checkpoint under ``checkpoint_uri``, or None on
+        a fresh start; ``"never"``: None; otherwise a URI: a committed step directory
+        (``.../step-00000120``, warm start from another run; an error if it is not committed) or a
+        checkpoint root (its latest committed step; an error if it has none).
+    """
+    if not isinstance(resume, str) or not resume.strip():
+        raise StorageError(f"resume must be 'auto', 'never' or a checkpoint URI, got {resume!r}")
+    resume = resume.strip()
+    if resume == RESUME_NEVER:
+        return None
+    if resume == RESUME_AUTO:
+        return CheckpointStore(checkpoint_uri, storage_options).latest()
+    if "://" not in resume and not os.path.isabs(resume):
+        raise StorageError(
+            f"resume must be 'auto', 'never' or a checkpoint URI (s3://..., file:///... or an absolute path), "
+            f"got {resume!r}"
+        )
+    location = parse_uri(resume)
+    parent, _, name = location.uri.rpartition("/")
+    match = _STEP_DIR.match(name)
+    if match and parent and not parent.endswith(":/"):
+        store = CheckpointStore(parent, storage_options)
+        step = int(match.group(1))
+        store.read_marker(step)  # raises when the step is not committed
+        return CheckpointRef(store.step_uri(step), step)
+    ref = CheckpointStore(location.uri, storage_options).latest()
+    if ref is None:
+        raise StorageError(
+            f"resume={resume!r}: no committed checkpoint under {location.uri}; point resume at a committed "
+            "step directory or a checkpoint root that has one, or use resume='auto'"
+        )
+    return ref
+
+
+def ref_from_uri(uri: str) -> CheckpointRef:
+    """The :class:`CheckpointRef` of a step-directory URI (no I/O)."""
+    location = parse_uri(uri)
+    name = location.uri.rsplit("/", 1)[-1]
+    match = _STEP_DIR.match(name)
+    if not match:
+        raise StorageError(f"{uri!r} is not a checkpoint step directory (its last part must look like step-00000120)")
+    return CheckpointRef(location.uri, int(match.group(1)))

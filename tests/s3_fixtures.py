@@ -1,0 +1,127 @@
+"""S3 over HTTP for tests: moto's server on 127.0.0.1, reached through s3fs like a real endpoint.
+
+Bind the fixtures in a test module with ``moto_s3 = s3_fixtures.moto_s3`` (and ``s3_env``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.request import Request, urlopen
+
+import pytest
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+# The IAM policy a checkpoint writer needs, for the credential tests.
+S3_ALL = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+
+
+@dataclass
+class MotoS3:
+    """A running moto server and how to reach it."""
+
+    endpoint: str
+    _iam_users: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """The AWS_* variables that point botocore/s3fs (and subprocesses) at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
+    def storage_options(self, **overrides: Any) -> dict[str, Any]:
+        """Explicit s3fs options for this server (no environment needed)."""
+        options: dict[str, Any] = {
+            "key": ACCESS_KEY,
+            "secret": SECRET_KEY,
+            "endpoint_url": self.endpoint,
+            "client_kwargs": {"region_name": REGION},
+        }
+        options.update(overrides)
+        return options
+
+    def client(self, service: str = "s3", **kwargs: Any) -> Any:
+        import boto3
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            aws_access_key_id=kwargs.pop("key", ACCESS_KEY),
+            aws_secret_access_key=kwargs.pop("secret", SECRET_KEY),
+            region_name=REGION,
+            **kwargs,
+        )
+
+    def make_bucket(self, prefix: str = "ckpt") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def iam_user(self, name: str, *, allow_s3: bool) -> dict[str, str]:
+        """An IAM user with an access key (created once), with or without S3 permissions."""
+        if name not in self._iam_users:
+            iam = self.client("iam")
+            iam.create_user(UserName=name)
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            if allow_s3:
+                iam.put_user_policy(UserName=name, PolicyName="s3-all", PolicyDocument=S3_ALL)
+            self._iam_users[name] = {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+        return self._iam_users[name]
+
+    @contextlib.contextmanager
+    def enforce_auth(self) -> Iterator[None]:
+        """Make the server check signatures and IAM policies (moto accepts anything otherwise)."""
+        self._post("/moto-api/reset-auth", b"0")
+        try:
+            yield
+        finally:
+            self._post("/moto-api/reset-auth", b"inf")
+
+    def _post(self, path: str, data: bytes) -> None:
+        # Not form-encoded: moto reads the raw body.
+        request = Request(self.endpoint + path, data=data, method="POST", headers={"Content-Type": "text/plain"})
+        with urlopen(request, timeout=10) as response:
+            response.read()
+
+
+def closed_port() -> int:
+    """A localhost port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    """moto's S3 (and IAM) server on a free localhost port, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield MotoS3(endpoint=f"http://{host}:{port}")
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> MotoS3:
+    """The AWS_* variables set for this test (and the processes it starts)."""
+    for key, value in moto_s3.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_s3
