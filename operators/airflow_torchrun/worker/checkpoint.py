@@ -1,0 +1,550 @@
+"""Checkpoint save/load inside the ranks: commit marker last, exact resume, retention. No Airflow.
+
+Contract with the operator (environment of every rank):
+
+``TRAIN_CHECKPOINT_URI``
+    Where this task's checkpoints go (``s3://bucket/prefix``, ``file:///path`` or a local path).
+``TRAIN_RESUME_FROM``
+    URI of the committed checkpoint (a step directory) to resume from; empty or unset on a fresh start.
+``TRAIN_CHECKPOINT_KEEP_LAST``
+    How many committed checkpoints to keep (default 3; 0 keeps all). The one resumed from is never deleted.
+``TRAIN_CHECKPOINT_STORAGE_OPTIONS``
+    Optional JSON object of s3fs options; the standard ``AWS_*`` variables are honoured without it.
+
+Typical use in a torchrun script::
+
+    from airflow_torchrun.worker import load_checkpoint, resume_step, save_checkpoint
+
+    state = load_checkpoint()               # None on a fresh start; restores this rank's RNG states
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    for step in range(resume_step() + 1, total + 1):
+        ...
+        if step % every == 0:
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
+
+Every rank calls :func:`save_checkpoint`. Rank 0 writes the state (one ``torch.save`` file), the RNG
+states of every rank are gathered into one small file, all ranks meet at a barrier, rank 0 writes
+the commit marker and prunes old checkpoints, and a final barrier releases everyone. A rank that
+dies on the way leaves the step uncommitted: it is never resumed. State dicts holding DTensor or
+ShardedTensor values (or ``sharded=True``) go through ``torch.distributed.checkpoint`` instead:
+every rank writes its own part, and :func:`load_checkpoint` then needs ``into=`` (loaded in place).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from airflow_torchrun.checkpoint import CheckpointStore, normalize_uri, ref_from_uri
+from airflow_torchrun.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+ENV_CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
+ENV_RESUME_FROM = "TRAIN_RESUME_FROM"
+ENV_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
+ENV_STORAGE_OPTIONS = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
+DEFAULT_KEEP_LAST = 3
+
+STATE_FILE = "state.pt"
+RNG_FILE = "rng.pt"
+DCP_DIR = "dcp"
+FORMAT_TORCH = "torch"
+FORMAT_DCP = "dcp"
+PAYLOAD_VERSION = 1
+
+
+# -- environment ------------------------------------------------------------------------------
+def resume_from() -> str | None:
+    """``TRAIN_RESUME_FROM``, or None on a fresh start."""
+    value = os.environ.get(ENV_RESUME_FROM, "").strip()
+    return value or None
+
+
+def resume_step(uri: str | None = None) -> int:
+    """The step of the checkpoint resumed from (``uri`` or ``TRAIN_RESUME_FROM``); 0 on a fresh start.
+
+    Read from the step directory's name: no I/O, so it is safe to call before the process group exists.
+    """
+    uri = uri or resume_from()
+    return ref_from_uri(uri).step if uri else 0
+
+
+def _checkpoint_root(uri: str | None) -> str:
+    root = uri or os.environ.get(ENV_CHECKPOINT_URI, "").strip()
+    if not root:
+        raise StorageError(
+            f"save_checkpoint needs a location: {ENV_CHECKPOINT_URI} is not set (the operator sets it) and no uri= "
+            "was given; pass uri='file:///path' or uri='s3://bucket/prefix' when running outside Airflow"
+        )
+    return root
+
+
+def _keep_last(value: int | None) -> int:
+    if value is None:
+        raw = os.environ.get(ENV_KEEP_LAST, "").strip()
+        if not raw:
+            return DEFAULT_KEEP_LAST
+        try:
+            value = int(raw)
+        except ValueError:
+            raise StorageError(
+                f"{ENV_KEEP_LAST}={raw!r} is not a whole number; set it to 0 (keep all) or more"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise StorageError(f"keep_last must be a whole number >= 0 (0 keeps all), got {value!r}")
+    return value
+
+
+def _storage_options() -> dict[str, Any]:
+    raw = os.environ.get(ENV_STORAGE_OPTIONS, "").strip()
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError as exc:
+        raise StorageError(f"{ENV_STORAGE_OPTIONS} is not valid JSON: {exc}") from exc
+    if not isinstance(options, dict):
+        raise StorageError(f"{ENV_STORAGE_OPTIONS} must be a JSON object of s3fs options, got {type(options).__name__}")
+    return options
+
+
+def _store_for(root: str) -> CheckpointStore:
+    return CheckpointStore(root, _storage_options())
+
+
+# -- process group ----------------------------------------------------------------------------
+@dataclass
+class _Comm:
+    """Coordination between ranks for checkpointing: a gloo group of its own, so that it works
+    whatever the training backend is (nccl needs no CPU tensors) and can be used from the
+    background save thread without interleaving with the training collectives."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or self.group is not None
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Everyone's ``obj`` on rank 0 (an empty list elsewhere)."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+
+_COMM_LOCK = threading.Lock()
+_COMM_CACHE: dict[int, _Comm] = {}
+
+
+def _comm() -> _Comm:
+    if not (dist.is_available() and dist.is_initialized()):
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if world > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE is {world} but torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group() before save_checkpoint/load_checkpoint so that the "
+                "ranks can agree on a commit"
+            )
+        return _Comm()
+    key = id(dist.group.WORLD)
+    with _COMM_LOCK:
+        comm = _COMM_CACHE.get(key)
+        if comm is None:
+            # Collective: every rank gets here in its first save_checkpoint.
+            group = dist.new_group(backend="gloo")
+            comm = _Comm(rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
+            _COMM_CACHE.clear()
+            _COMM_CACHE[key] = comm
+    return comm
+
+
+# -- RNG --------------------------------------------------------------------------------------
+def _capture_rng() -> dict[str, Any]:
+    """This rank's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+        state["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    except ImportError:
+        pass
+    # Only the current device, and only once CUDA is in use: touching every GPU from every rank
+    # would create contexts on devices that belong to other ranks.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_device"] = torch.cuda.current_device()
+    return state
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            saved = state["numpy"]
+            np.random.set_state(
+                (
+                    saved["name"],
+                    saved["keys"].numpy().astype("uint32"),
+                    saved["pos"],
+                    saved["has_gauss"],
+                    saved["cached_gaussian"],
+                )
+            )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], device=torch.cuda.current_device())
+
+
+# -- I/O --------------------------------------------------------------------------------------
+def _sharded_types() -> tuple[type, ...]:
+    types: list[type] = []
+    try:
+        from torch.distributed.tensor import DTensor
+
+        types.append(DTensor)
+    except ImportError:  # pragma: no cover - depends on the torch build
+        pass
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        types.append(ShardedTensor)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(types)
+
+
+def _is_sharded(obj: Any, types: tuple[type, ...] | None = None) -> bool:
+    """True when ``obj`` holds a DTensor or ShardedTensor anywhere."""
+    types = _sharded_types() if types is None else types
+    if types and isinstance(obj, types):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_is_sharded(v, types) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_is_sharded(v, types) for v in obj)
+    return False
+
+
+def _cpu_snapshot(obj: Any) -> Any:
+    """A copy that later training steps cannot change (tensors cloned to CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = _cpu_snapshot(value)
+        # nn.Module.state_dict() keeps per-module versions here; load_state_dict reads them.
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+        return out
+    if isinstance(obj, list):
+        return [_cpu_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_cpu_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _write_torch(store: CheckpointStore, path: str, obj: Any) -> None:
+    """torch.save ``obj`` to ``path``: a temp name then an atomic rename locally, one object on S3."""
+    if store.location.scheme == "file":
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fp:
+            torch.save(obj, fp)
+            fp.flush()
+            os.fsync(fp.fileno())
+        os.replace(tmp, path)
+    else:
+        with store.fs.open(path, "wb") as fp:
+            torch.save(obj, fp)
+
+
+def _read_torch(store: CheckpointStore, path: str, *, map_location: Any, weights_only: bool) -> Any:
+    if store.location.scheme == "file":
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    # One GET of the whole object: torch.load seeks around, which costs a request per seek on S3.
+    data = store.fs.cat_file(path)
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+
+def _clear_step(store: CheckpointStore, step: int) -> None:
+    """Make room for a fresh write of ``step`` (a torn leftover from an earlier try, or a rewrite)."""
+    store.fs.invalidate_cache(store.location.path)
+    if store.fs.exists(store.step_path(step)):
+        log.warning(
+            "Checkpoint %s already exists (%s); rewriting it",
+            store.step_uri(step),
+            "committed" if store.is_committed(step) else "torn",
+        )
+        store.delete_step(step)
+
+
+# -- saving -----------------------------------------------------------------------------------
+_EXECUTOR: ThreadPoolExecutor | None = None
+_PENDING: Future[str] | None = None
+_PENDING_LOCK = threading.Lock()
+
+
+def wait_for_checkpoint() -> str | None:
+    """Wait for a save started with ``blocking=False``; return its URI (None if none is pending).
+
+    Re-raises the background save's error. Call it before ``destroy_process_group()``.
+    """
+    global _PENDING
+    with _PENDING_LOCK:
+        pending, _PENDING = _PENDING, None
+    return pending.result() if pending is not None else None
+
+
+def save_checkpoint(
+    state: Mapping[str, Any],
+    step: int,
+    *,
+    uri: str | None = None,
+    sharded: bool | None = None,
+    keep_last: int | None = None,
+    blocking: bool = True,
+    meta: Mapping[str, Any] | None = None,
+) -> str:
+    """Save ``state`` as checkpoint ``step`` and commit it; called by EVERY rank. Returns the step's URI.
+
+    :param state: what to save (model/optimizer state dicts, counters...). Rank 0's copy is written;
+        the RNG states of every rank (torch, CUDA, numpy, ``random``) are added automatically.
+    :param step: the training step reached (the directory is ``step-%08d``); resume continues after it.
+    :param uri: the checkpoint root; default ``TRAIN_CHECKPOINT_URI``.
+    :param sharded: force (True) or forbid (False) ``torch.distributed.checkpoint``; by default used
+        when ``state`` holds DTensor or ShardedTensor values.
+    :param keep_last: committed checkpoints to keep (0: all); default ``TRAIN_CHECKPOINT_KEEP_LAST`` or 3.
+    :param blocking: with False, the state is copied to CPU now and written by a background thread
+        while training goes on (not for sharded state); the next save, or :func:`wait_for_checkpoint`,
+        waits for it.
+    :param meta: extra JSON-serialisable facts recorded in the commit marker.
+
+    The step directory is committed only once every rank got through the save; if a rank dies on
+    the way the step stays uncommitted and is never resumed. A blocking save leaves the RNG states
+    as they were when it started, whatever the I/O libraries drew meanwhile, so that the random
+    stream of the uninterrupted run is the one a resumed run gets. Saving the step this run resumed from
+    again is a no-op (its committed copy is kept).
+    """
+    comm = _comm()
+    store = _store_for(_checkpoint_root(uri))
+    step_uri = store.step_uri(step)
+    keep = _keep_last(keep_last)
+    resumed = resume_from()
+    if resumed and normalize_uri(resumed) == step_uri:
+        # Rewriting the checkpoint we resumed from would put the only good copy at risk for nothing.
+        if comm.rank == 0:
+            log.info("Checkpoint %s is the one this run resumed from; keeping it as is", step_uri)
+        return step_uri
+    extra = dict(meta or {})
+    json.dumps(extra)  # fail now, not in the background, if meta is not JSON-serialisable
+    wait_for_checkpoint()
+    use_dcp = _is_sharded(state) if sharded is None else sharded
+    my_rng = _capture_rng()
+    rng_states = comm.gather(my_rng)
+    job = _SaveJob(comm, store, step, rng_states, keep, extra, time.monotonic())
+    if use_dcp:
+        if not blocking and comm.rank == 0:
+            log.info("Sharded checkpoints are written synchronously")
+        job.run_dcp(state)
+        # Libraries doing the I/O may draw from the global RNGs (botocore's retry jitter):
+        # put them back so the training's random stream does not depend on checkpointing.
+        _restore_rng(my_rng)
+        return step_uri
+    payload: dict[str, Any] | None = None
+    if comm.rank == 0:
+        payload = {"version": PAYLOAD_VERSION, "step": step, "state": state}
+    if blocking:
+        job.run_torch(payload)
+        _restore_rng(my_rng)
+        return step_uri
+    snapshot = _cpu_snapshot(payload) if payload is not None else None
+    if comm.rank == 0:
+        log.info(
+            "Checkpoint step %d copied to CPU in %.3fs; writing it in the background",
+            step,
+            time.monotonic() - job.started,
+        )
+    global _EXECUTOR, _PENDING
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airflow-torchrun-checkpoint")
+    future = _EXECUTOR.submit(job.run_torch, snapshot)
+    with _PENDING_LOCK:
+        _PENDING = future
+    return step_uri
+
+
+@dataclass
+class _SaveJob:
+    """One save of one step, as every rank runs it (possibly on the background thread)."""
+
+    comm: _Comm
+    store: CheckpointStore
+    step: int
+    rng_states: list[Any]
+    keep: int
+    meta: dict[str, Any]
+    started: float
+
+    def run_torch(self, payload: dict[str, Any] | None) -> str:
+        """Rank 0 writes the state and every rank's RNG; commit once all ranks got here."""
+        step_path = self.store.step_path(self.step)
+        if self.comm.rank == 0:
+            _clear_step(self.store, self.step)
+            _write_torch(self.store, f"{step_path}/{STATE_FILE}", payload)
+            _write_torch(self.store, f"{step_path}/{RNG_FILE}", self.rng_states)
+        self.comm.barrier()
+        if self.comm.rank == 0:
+            self._commit_and_prune(FORMAT_TORCH)
+        self.comm.barrier()
+        return self.store.step_uri(self.step)
+
+    def run_dcp(self, state: Mapping[str, Any]) -> str:
+        """Every rank writes its part through torch.distributed.checkpoint; commit after all are done."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        if self.comm.rank == 0:
+            _clear_step(self.store, self.step)
+        self.comm.barrier()
+        writer = FsspecWriter(f"{self.store.step_uri(self.step)}/{DCP_DIR}", **self.store.storage_options)
+        dcp.save(dict(state), storage_writer=writer, process_group=self.comm.group, no_dist=self.comm.group is None)
+        if self.comm.rank == 0:
+            _write_torch(self.store, f"{self.store.step_path(self.step)}/{RNG_FILE}", self.rng_states)
+        self.comm.barrier()
+        if self.comm.rank == 0:
+            self._commit_and_prune(FORMAT_DCP)
+        self.comm.barrier()
+        return self.store.step_uri(self.step)
+
+    def _commit_and_prune(self, fmt: str) -> None:
+        store = self.store
+        store.commit(self.step, {**self.meta, "format": fmt, "world_size": self.comm.world_size})
+        size_mb = store.read_marker(self.step).get("total_bytes", 0) / 1e6
+        log.info(
+            "Checkpoint %s committed: %.1f MB in %.2fs",
+            store.step_uri(self.step),
+            size_mb,
+            time.monotonic() - self.started,
+        )
+        if self.keep:
+            try:
+                store.prune(self.keep, protect=[u for u in (resume_from(),) if u])
+            except Exception:
+                # A checkpoint that could not be pruned costs space, not correctness: keep training.
+                log.warning("Could not prune old checkpoints under %s", store.uri, exc_info=True)
+
+
+# -- loading ----------------------------------------------------------------------------------
+def load_checkpoint(
+    map_location: Any = "cpu",
+    *,
+    uri: str | None = None,
+    into: dict[str, Any] | None = None,
+    weights_only: bool = True,
+    restore_rng: bool = True,
+) -> dict[str, Any] | None:
+    """Load the checkpoint to resume from; None on a fresh start. Called by every rank.
+
+    :param map_location: passed to ``torch.load``.
+    :param uri: a committed step directory; default ``TRAIN_RESUME_FROM``.
+    :param into: for sharded (``torch.distributed.checkpoint``) checkpoints: a state dict of the
+        same structure, loaded in place and returned. Ignored for ordinary checkpoints.
+    :param weights_only: ``torch.load``'s safe mode (tensors, numbers, strings, containers). Set
+        False only for checkpoints you trust that hold other Python objects.
+    :param restore_rng: restore this rank's RNG states (torch, CUDA, numpy, ``random``) as they
+        were when the checkpoint was saved, so that the next random draws match the uninterrupted run.
+
+    The step is :func:`resume_step` (also in the commit marker). Raises :class:`StorageError` if
+    ``uri`` is not a committed checkpoint.
+    """
+    uri = uri or resume_from()
+    if not uri:
+        return None
+    ref = ref_from_uri(uri)
+    store = _store_for(ref.uri.rsplit("/", 1)[0])
+    marker = store.read_marker(ref.step)
+    fmt = marker.get("format", FORMAT_TORCH)
+    started = time.monotonic()
+    step_path = store.step_path(ref.step)
+    state: dict[str, Any]
+    if fmt == FORMAT_DCP:
+        if into is None:
+            raise StorageError(
+                f"{ref.uri} was saved sharded (torch.distributed.checkpoint); call load_checkpoint(into=state_dict) "
+                "with a state dict of the same structure (e.g. from get_state_dict) to load it in place"
+            )
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        group = _comm().group
+        reader = FsspecReader(f"{ref.uri}/{DCP_DIR}", **store.storage_options)
+        dcp.load(into, storage_reader=reader, process_group=group, no_dist=group is None)
+        state = into
+    elif fmt == FORMAT_TORCH:
+        payload = _read_torch(store, f"{step_path}/{STATE_FILE}", map_location=map_location, weights_only=weights_only)
+        if not isinstance(payload, dict) or "state" not in payload:
+            raise StorageError(f"{ref.uri}/{STATE_FILE} was not written by save_checkpoint")
+        state = payload["state"]
+    else:
+        raise StorageError(f"{ref.uri} has the unknown checkpoint format {fmt!r}; was it written by a newer version?")
+    if restore_rng:
+        _restore_rank_rng(store, step_path, ref.uri)
+    log.info("Loaded checkpoint %s (step %d) in %.2fs", ref.uri, ref.step, time.monotonic() - started)
+    return state
+
+
+def _restore_rank_rng(store: CheckpointStore, step_path: str, uri: str) -> None:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    try:
+        states = _read_torch(store, f"{step_path}/{RNG_FILE}", map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        log.warning("Checkpoint %s has no RNG states; random draws will not match the uninterrupted run", uri)
+        return
+    if rank >= len(states):
+        log.warning(
+            "Checkpoint %s holds RNG states of %d rank(s), this is rank %d: its RNG is not restored",
+            uri,
+            len(states),
+            rank,
+        )
+        return
+    _restore_rng(states[rank])
