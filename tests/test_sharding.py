@@ -316,3 +316,17 @@ def test_operator_through_dag_test_with_templated_shard_count(run_dag: Any, tmp_
     m = read_manifest(uri)
     assert m.num_shards == 2 and m.seed == 1
     assert result.xcom("shard", key="summary")["eval_rows"] == 10
+
+
+def test_importing_the_operators_stays_cheap() -> None:
+    # DAG parsing imports these modules: none of the heavy packages may come along.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import airflow_torchrun.operators.shard, airflow_torchrun.operators.register, airflow_torchrun.tracking\n"
+        "print(sorted({'torch', 'kubernetes', 's3fs', 'mlflow', 'numpy', 'pyarrow', 'matplotlib'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -11,6 +11,9 @@ Layout written under ``output_uri``::
     eval.parquet                   # the held-out evaluation split (absent when eval_fraction=0)
     manifest.json                  # written last: its presence means every file above is complete
 
+Importing this module is cheap (numpy and pyarrow are imported when used), so the operator
+module that uses it keeps DAG parsing fast.
+
 The split is a pure function of (number of rows, number of shards, eval fraction, seed), and the
 files are written byte-for-byte reproducibly, so running the same task twice gives the same files
 and the same checksums.
@@ -27,13 +30,12 @@ import re
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from airflow_torchrun.errors import TorchrunError
 
 if TYPE_CHECKING:
+    import numpy as np
     from fsspec import AbstractFileSystem
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ _SUFFIX = {"parquet": ".parquet", "csv": ".csv", "npz": ".npz"}
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 #: What :func:`read_shard` returns: one NumPy array per column (first axis = rows).
-Columns = dict[str, np.ndarray]
+Columns: TypeAlias = "dict[str, np.ndarray]"
 
 
 class DatasetError(TorchrunError, ValueError):
@@ -221,6 +223,8 @@ def split_indices(
     at most one. Each piece is sorted, so a shard keeps the source's row order. Every row lands in
     exactly one shard or in the evaluation split.
     """
+    import numpy as np
+
     if num_rows < 1:
         raise DatasetError("the dataset has no rows; there is nothing to shard")
     n_eval = eval_rows(num_rows, eval_fraction)
@@ -295,6 +299,8 @@ def parse_table(data: bytes, fmt: str, *, uri: str = "", dtypes: Mapping[str, st
             options = pacsv.ConvertOptions(column_types=column_types)
             return pacsv.read_csv(io.BytesIO(data), convert_options=options)
         if fmt == "npz":
+            import numpy as np
+
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 return {name: npz[name] for name in npz.files}
     except DatasetError:
@@ -333,6 +339,8 @@ def _schema(table: Any, fmt: str) -> tuple[tuple[str, ...], dict[str, str]]:
 
 # -- writing --------------------------------------------------------------------------------------
 def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    import numpy as np
+
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
         for name, arr in arrays.items():
@@ -556,6 +564,8 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
         return {}
     if len(parts) == 1:
         return parts[0]
+    import numpy as np
+
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 

@@ -1,0 +1,249 @@
+"""The Airflow side of MLflow tracking: one MLflow run per DAG run and task, kept across tries.
+
+The training operator calls :func:`ensure_run` before it starts the group and hands the run to
+every rank through :func:`rank_env` (``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``); rank 0 logs into
+it with :mod:`airflow_torchrun.worker.tracking`. mlflow is imported only inside the functions,
+so importing this module (and parsing a DAG) stays cheap.
+
+Tracking URI, in order: the ``tracking_uri`` argument, ``$MLFLOW_TRACKING_URI`` (as everywhere in
+MLflow), ``[torchrun] mlflow_tracking_uri``, then a SQLite store in the project's state directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow_torchrun.errors import TorchrunError
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+log = logging.getLogger(__name__)
+
+#: Tags every run gets; together dag_id, run_id, task_id and map_index identify it.
+TAG_DAG_ID = "airflow.dag_id"
+TAG_RUN_ID = "airflow.run_id"
+TAG_TASK_ID = "airflow.task_id"
+TAG_MAP_INDEX = "airflow.map_index"
+TAG_TRY_NUMBER = "airflow.try_number"
+#: Key under which the run id is kept in Airflow 3.3's ``task_state_store`` (survives retries).
+STATE_KEY = "mlflow_run_id"
+DEFAULT_CHECK_TIMEOUT = 5.0
+
+
+class TrackingUnreachableError(TorchrunError):
+    """The MLflow tracking server (or store) cannot be reached or used."""
+
+
+def state_dir() -> Path:
+    """The project's local state directory: ``[torchrun] state_dir`` (as for the local backend)."""
+    from airflow_torchrun.compat import conf
+
+    configured = conf.get("torchrun", "state_dir", fallback=None) or os.environ.get("AIRFLOW_TORCHRUN_STATE_DIR")
+    return Path(configured) if configured else Path.home() / ".airflow-torchrun"
+
+
+def default_tracking_uri() -> str:
+    """SQLite in the state directory: ``sqlite:///<state dir>/mlflow/mlflow.db``."""
+    return f"sqlite:///{state_dir() / 'mlflow' / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
+    """The tracking URI to use (see the module docstring for the order)."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        from airflow_torchrun.compat import conf
+
+        uri = conf.get("torchrun", "mlflow_tracking_uri", fallback=None) or default_tracking_uri()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        # Ranks run in other directories: a relative SQLite path must not depend on the cwd.
+        uri = f"sqlite:///{Path(uri[len('sqlite:///') :]).resolve()}"
+    return uri
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///") :].split("?", 1)[0])
+
+
+def check_tracking_uri(tracking_uri: str, timeout: float = DEFAULT_CHECK_TIMEOUT) -> None:
+    """Fail fast, with a clear message, when ``tracking_uri`` cannot be used.
+
+    HTTP(S) servers get one request with a short timeout (MLflow's own client would retry for
+    minutes first); any HTTP answer counts as reachable. For SQLite the directory is created.
+    """
+    if tracking_uri.startswith(("http://", "https://")):
+        url = tracking_uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            return  # it answered: reachable (auth or routing is MLflow's business)
+        except OSError as exc:  # URLError, timeouts and refused connections are all OSErrors
+            reason = getattr(exc, "reason", exc)
+            raise TrackingUnreachableError(
+                f"MLflow tracking server {tracking_uri} is not reachable ({reason}) within {timeout:g}s. "
+                "Start it (mlflow server ...), fix tracking_uri / MLFLOW_TRACKING_URI, or unset "
+                f"MLFLOW_TRACKING_URI to use the local SQLite store ({default_tracking_uri()})"
+            ) from exc
+        return
+    db = _sqlite_path(tracking_uri)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrackingUnreachableError(
+                f"cannot create the directory of the MLflow SQLite store {tracking_uri}: {exc}. "
+                "Point MLFLOW_TRACKING_URI (or tracking_uri) at a writable location"
+            ) from exc
+
+
+def artifact_location(tracking_uri: str, experiment_name: str) -> str | None:
+    """Where a new experiment keeps artifacts: next to a SQLite store, else the server's choice.
+
+    Without this, MLflow puts a SQLite store's artifacts in ``./mlruns`` of whatever directory
+    the process happens to run in.
+    """
+    db = _sqlite_path(tracking_uri)
+    if db is None:
+        return None
+    from airflow_torchrun.sharding import safe_segment
+
+    return (db.parent / "artifacts" / safe_segment(experiment_name)).resolve().as_uri()
+
+
+def client(tracking_uri: str | None = None) -> MlflowClient:
+    """An ``MlflowClient`` for the resolved tracking URI (registry at the same URI), checked first."""
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri)
+    check_tracking_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def get_or_create_experiment(mlflow_client: MlflowClient, name: str) -> str:
+    """The id of experiment ``name``, created if needed (safe when two tasks race to create it)."""
+    from mlflow.exceptions import MlflowException
+
+    existing = mlflow_client.get_experiment_by_name(name)
+    if existing is not None:
+        if existing.lifecycle_stage == "deleted":
+            mlflow_client.restore_experiment(existing.experiment_id)
+        return str(existing.experiment_id)
+    try:
+        return str(
+            mlflow_client.create_experiment(name, artifact_location=artifact_location(mlflow_client.tracking_uri, name))
+        )
+    except MlflowException:
+        again = mlflow_client.get_experiment_by_name(name)
+        if again is None:
+            raise
+        return str(again.experiment_id)
+
+
+def quote_filter_value(value: str) -> str:
+    quote = "'" if "'" not in value else '"'
+    if quote in value:
+        raise ValueError(f"cannot search MLflow for a value holding both quote characters: {value!r}")
+    return f"{quote}{value}{quote}"
+
+
+def identity_tags(context: Mapping[str, Any]) -> dict[str, str]:
+    """The tags that name one task of one DAG run (plus its try number)."""
+    ti = context["ti"]
+    map_index = getattr(ti, "map_index", None)
+    return {
+        TAG_DAG_ID: str(ti.dag_id),
+        TAG_RUN_ID: str(ti.run_id),
+        TAG_TASK_ID: str(ti.task_id),
+        TAG_MAP_INDEX: str(-1 if map_index is None else map_index),
+        TAG_TRY_NUMBER: str(getattr(ti, "try_number", 1)),
+    }
+
+
+def find_run(mlflow_client: MlflowClient, experiment_id: str, tags: Mapping[str, str]) -> str | None:
+    """The newest live run in ``experiment_id`` whose identity tags equal ``tags``."""
+    keys = (TAG_DAG_ID, TAG_RUN_ID, TAG_TASK_ID, TAG_MAP_INDEX)
+    filter_string = " and ".join(f"tags.`{k}` = {quote_filter_value(tags[k])}" for k in keys)
+    runs = mlflow_client.search_runs(
+        [experiment_id], filter_string=filter_string, max_results=1, order_by=["attributes.start_time DESC"]
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def _live_run(mlflow_client: MlflowClient, run_id: object) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(run_id, str) or not run_id:
+        return None
+    try:
+        run = mlflow_client.get_run(run_id)
+    except MlflowException:
+        return None
+    return run_id if run.info.lifecycle_stage == "active" else None
+
+
+def ensure_run(
+    context: Mapping[str, Any],
+    experiment_name: str | None = None,
+    tracking_uri: str | None = None,
+) -> str:
+    """The MLflow run of this DAG run's task: created on the first try, reused on later ones.
+
+    Looked up first in ``context["task_state_store"]`` (Airflow >= 3.3, survives retries), then
+    by the tags ``airflow.dag_id``/``airflow.run_id``/``airflow.task_id``/``airflow.map_index``
+    (which also finds it when the task is cleared and re-run). On reuse the run is set back to
+    RUNNING and ``airflow.try_number`` is updated. Returns the run id (``MLFLOW_RUN_ID``).
+
+    :param context: The task's Airflow context.
+    :param experiment_name: MLflow experiment; default: the DAG id.
+    :param tracking_uri: Default: see :func:`resolve_tracking_uri`.
+    :raises TrackingUnreachableError: when the tracking server does not answer (within seconds).
+    """
+    mlflow_client = client(tracking_uri)
+    tags = identity_tags(context)
+    experiment_id = get_or_create_experiment(mlflow_client, experiment_name or tags[TAG_DAG_ID])
+    store = context.get("task_state_store")
+
+    run_id = _live_run(mlflow_client, store.get(STATE_KEY)) if store is not None else None
+    how = "task_state_store"
+    if run_id is None:
+        run_id, how = find_run(mlflow_client, experiment_id, tags), "tags"
+    if run_id is None:
+        run = mlflow_client.create_run(
+            experiment_id, tags=tags, run_name=f"{tags[TAG_TASK_ID]}__{tags[TAG_RUN_ID]}"[:250]
+        )
+        run_id = run.info.run_id
+        log.info(
+            "Created MLflow run %s in experiment %s for %s.%s (%s), try %s",
+            run_id,
+            experiment_id,
+            tags[TAG_DAG_ID],
+            tags[TAG_TASK_ID],
+            tags[TAG_RUN_ID],
+            tags[TAG_TRY_NUMBER],
+        )
+    else:
+        mlflow_client.set_tag(run_id, TAG_TRY_NUMBER, tags[TAG_TRY_NUMBER])
+        mlflow_client.update_run(run_id, status="RUNNING")
+        log.info("Reusing MLflow run %s (found by %s), try %s", run_id, how, tags[TAG_TRY_NUMBER])
+    if store is not None:
+        store.set(STATE_KEY, run_id)
+    return run_id
+
+
+def rank_env(run_id: str, tracking_uri: str | None = None) -> dict[str, str]:
+    """What every rank needs to log into ``run_id``: ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``."""
+    return {"MLFLOW_TRACKING_URI": resolve_tracking_uri(tracking_uri), "MLFLOW_RUN_ID": run_id}
+
+
+def finish_run(run_id: str, *, succeeded: bool, tracking_uri: str | None = None) -> None:
+    """Mark the run FINISHED or FAILED once the group has ended (the next try sets it RUNNING again)."""
+    client(tracking_uri).set_terminated(run_id, status="FINISHED" if succeeded else "FAILED")

@@ -1,0 +1,255 @@
+"""MLflow tracking: one run per DAG run and task across tries; rank 0 alone logs; fast failure."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from airflow_torchrun.tracking import (
+    STATE_KEY,
+    TAG_TRY_NUMBER,
+    TrackingUnreachableError,
+    default_tracking_uri,
+    ensure_run,
+    finish_run,
+    rank_env,
+    resolve_tracking_uri,
+)
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def _context(try_number: int, task_id: str = "train", store: Any = None) -> dict[str, Any]:
+    ti = SimpleNamespace(dag_id="pipe", run_id="manual__1", task_id=task_id, map_index=-1, try_number=try_number)
+    return {"ti": ti, **({"task_state_store": store} if store is not None else {})}
+
+
+class _Store:
+    """The ``get``/``set`` surface of Airflow's task_state_store, kept in a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def set(self, key: str, value: Any) -> None:
+        self.data[key] = value
+
+
+def test_ensure_run_reuses_the_run_across_tries(tracking_uri: str) -> None:
+    from mlflow import MlflowClient
+
+    first = ensure_run(_context(1))
+    finish_run(first, succeeded=False)
+    second = ensure_run(_context(2))
+    other_task = ensure_run(_context(1, task_id="evaluate"))
+    assert second == first and other_task != first
+
+    client = MlflowClient(tracking_uri)
+    run = client.get_run(first)
+    assert run.info.status == "RUNNING"  # the failed try's FAILED is undone by the retry
+    assert run.data.tags["airflow.dag_id"] == "pipe" and run.data.tags["airflow.run_id"] == "manual__1"
+    assert run.data.tags[TAG_TRY_NUMBER] == "2"
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.name == "pipe"
+    # Artifacts next to the SQLite store, not in ./mlruns of whatever the cwd is.
+    assert exp.artifact_location.startswith(Path(tracking_uri[len("sqlite:///") :]).parent.as_uri())
+    assert len(client.search_runs([run.info.experiment_id])) == 2
+
+
+def test_ensure_run_prefers_the_task_state_store(tracking_uri: str) -> None:
+    from mlflow import MlflowClient
+
+    store = _Store()
+    first = ensure_run(_context(1, store=store), experiment_name="exp-a")
+    assert store.data[STATE_KEY] == first
+    # The stored id wins even where the tags would not find it (another experiment name).
+    assert ensure_run(_context(2, store=store), experiment_name="exp-b") == first
+    # A stored run that was deleted is not resurrected: a fresh one is made.
+    MlflowClient(tracking_uri).delete_run(first)
+    third = ensure_run(_context(3, store=store), experiment_name="exp-a")
+    assert third != first and store.data[STATE_KEY] == third
+
+
+def test_rank_env_and_default_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    state = os.environ["AIRFLOW__TORCHRUN__STATE_DIR"]
+    assert default_tracking_uri() == f"sqlite:///{state}/mlflow/mlflow.db"
+    assert resolve_tracking_uri() == default_tracking_uri()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tracking_uri("sqlite:///rel.db") == f"sqlite:///{tmp_path / 'rel.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert rank_env("abc") == {"MLFLOW_TRACKING_URI": "http://mlflow.example:5000", "MLFLOW_RUN_ID": "abc"}
+
+
+# -- an unreachable tracking server --------------------------------------------------------------
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections and never answers (a hung server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def _closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def test_unreachable_tracking_server_fails_fast_with_a_clear_message(silent_port: int) -> None:
+    started = time.monotonic()
+    with pytest.raises(TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"):
+        ensure_run(_context(1), tracking_uri=f"http://127.0.0.1:{_closed_port()}")
+    from airflow_torchrun.tracking import check_tracking_uri
+
+    with pytest.raises(TrackingUnreachableError, match=r"timed out.*within 0\.5s"):
+        check_tracking_uri(f"http://127.0.0.1:{silent_port}", timeout=0.5)
+    # MLflow's own client would retry with backoff for minutes; generous bound, far from that.
+    assert time.monotonic() - started < 30
+
+
+# -- rank 0 logs, rank 1 does not: two real processes ---------------------------------------------
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from airflow_torchrun.worker.tracking import RunLogger, StepTimer
+    rank = int(os.environ["RANK"])
+    first, last = int(sys.argv[1]), int(sys.argv[2])
+    with RunLogger(flush_every=4) as tracker:
+        tracker.log_params({"lr": 0.1, "rank_that_logged": rank})
+        timer = StepTimer()
+        for step in range(first, last):
+            with timer.data():
+                time.sleep(0.002)
+            with timer.compute():
+                time.sleep(0.004)
+            # rank 1's values would be told apart: 1000 + step
+            tracker.log_step(step, loss=1000 * rank + 1.0 / (step + 1), samples=32, timing=timer.lap())
+        tracker.log_loss_curve()
+        if os.environ.get("LOG_MODEL"):
+            import torch
+            tracker.log_model(torch.nn.Linear(3, 1), pip_requirements=["torch"])
+    print("skipped", tracker.steps_skipped, "enabled", tracker.enabled, "mlflow" in sys.modules, flush=True)
+    """
+)
+
+
+def _ranks(run_id: str, tracking_uri: str, first: int, last: int, *, log_model: bool = False) -> list[str]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, str(first), str(last)],
+            env={
+                **os.environ,
+                **rank_env(run_id, tracking_uri),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                **({"LOG_MODEL": "1"} if log_model else {}),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out.strip())
+    return outs
+
+
+def test_only_rank_zero_logs_once_per_step_across_a_resumed_try(tracking_uri: str) -> None:
+    from mlflow import MlflowClient
+
+    run_id = ensure_run(_context(1))
+    outs = _ranks(run_id, tracking_uri, 0, 10, log_model=True)
+    # Rank 1 never even imported mlflow.
+    assert outs == ["skipped 0 enabled True True", "skipped 0 enabled False False"]
+    # The retry resumes from a checkpoint at step 6: steps 6..9 run again but are not re-logged.
+    outs = _ranks(ensure_run(_context(2)), tracking_uri, 6, 14)
+    assert outs[0] == "skipped 4 enabled True True"
+
+    client = MlflowClient(tracking_uri)
+    loss = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in loss) == list(range(14))  # once per step, all tries together
+    assert all(m.value < 1000 for m in loss)  # nothing from rank 1
+    for name in ("throughput_samples_per_s", "data_wait_fraction", "step_time_s"):
+        assert len(client.get_metric_history(run_id, name)) == 14, name
+    waits = [m.value for m in client.get_metric_history(run_id, "data_wait_fraction")]
+    assert all(0.0 < w < 1.0 for w in waits)
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "0.1", "rank_that_logged": "0"}
+    assert [a.path for a in client.list_artifacts(run_id)] == ["loss_curve.png"]
+    png = Path(client.download_artifacts(run_id, "loss_curve.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    models = client.search_logged_models([run.info.experiment_id], filter_string="name = 'model'")
+    assert [m.source_run_id for m in models] == [run_id]
+
+
+def test_logger_is_a_no_op_without_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_torchrun.worker.tracking import RunLogger, StepTimer
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    tracker = RunLogger()
+    assert not tracker.enabled
+    tracker.log_step(0, loss=1.0, samples=1, timing=StepTimer().lap())
+    assert tracker.log_loss_curve() is None and tracker.log_model(object()) is None
+
+
+@pytest.mark.slow
+def test_a_retried_airflow_task_keeps_its_run(run_dag: Any, tracking_uri: str) -> None:
+    from mlflow import MlflowClient
+
+    result = run_dag(
+        """
+        @task(retries=1, retry_delay=datetime.timedelta(seconds=0))
+        def train():
+            ctx = get_current_context()
+            before = ctx["task_state_store"].get(STATE_KEY)
+            run_id = ensure_run(ctx)
+            print("TRY", ctx["ti"].try_number, "RUN", run_id, "STORED BEFORE", before)
+            if ctx["ti"].try_number == 1:
+                raise RuntimeError("first try fails on purpose")
+            return run_id
+
+        train()
+        """,
+        imports=(
+            "import datetime\nfrom airflow.sdk import task, get_current_context\n"
+            "from airflow_torchrun.tracking import ensure_run, STATE_KEY"
+        ),
+    )
+    assert result.state == "success", result.log[-3000:]
+    run_id = result.xcom("train")
+    # The second try found the run in Airflow's task_state_store, kept across tries.
+    assert f"TRY 1 RUN {run_id} STORED BEFORE None" in result.log
+    assert f"TRY 2 RUN {run_id} STORED BEFORE {run_id}" in result.log
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name(result.dag_id).experiment_id])
+    assert [r.info.run_id for r in runs] == [run_id]
+    assert runs[0].data.tags[TAG_TRY_NUMBER] == "2"
