@@ -243,6 +243,26 @@ def test_parquet_on_s3(tmp_path: Path, s3_endpoint: dict[str, Any]) -> None:
     assert again.reused
 
 
+def test_ranks_read_s3_shards_with_the_aws_environment(
+    tmp_path: Path, s3_endpoint: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    from airflow_torchrun.worker.shards import MANIFEST_ENV, load_eval_split, load_shard
+
+    s3fs.S3FileSystem(**s3_endpoint).mkdir("ranks")
+    local = write_dataset(tmp_path / "data.csv", "csv")
+    s3fs.S3FileSystem(**s3_endpoint).put_file(str(local), "ranks/data.csv")
+    uri = shard_dataset("s3://ranks/data.csv", "s3://ranks/out", 2, storage_options=s3_endpoint).manifest_uri
+    # What a rank has: the manifest URI and the standard AWS variables, no storage_options.
+    monkeypatch.setenv(MANIFEST_ENV, uri)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    ids = [row_ids(load_shard(rank=r, world_size=2)) for r in (0, 1)] + [row_ids(load_eval_split())]
+    assert sorted(i for piece in ids for i in piece) == list(range(N_ROWS))
+
+
 # -- the operator ---------------------------------------------------------------------------------
 class _TI(SimpleNamespace):
     """The few TaskInstance attributes the operator reads, and its XCom pushes."""

@@ -193,10 +193,17 @@ def test_only_rank_zero_logs_once_per_step_across_a_resumed_try(tracking_uri: st
     outs = _ranks(ensure_run(_context(2)), tracking_uri, 6, 14)
     assert outs[0] == "skipped 4 enabled True True"
 
+    # An evaluation logging at the last training step: its new metric goes in, a repeated loss does not.
+    from airflow_torchrun.worker.tracking import RunLogger
+
+    with RunLogger(run_id=run_id, tracking_uri=tracking_uri, rank=0) as evaluation:
+        evaluation.log_metrics({"eval_accuracy": 0.9, "loss": 5.0}, step=13)
+
     client = MlflowClient(tracking_uri)
     loss = client.get_metric_history(run_id, "loss")
     assert sorted(m.step for m in loss) == list(range(14))  # once per step, all tries together
-    assert all(m.value < 1000 for m in loss)  # nothing from rank 1
+    assert all(m.value < 1000 for m in loss) and 5.0 not in {m.value for m in loss}  # nothing from rank 1
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval_accuracy")] == [(13, 0.9)]
     for name in ("throughput_samples_per_s", "data_wait_fraction", "step_time_s"):
         assert len(client.get_metric_history(run_id, name)) == 14, name
     waits = [m.value for m in client.get_metric_history(run_id, "data_wait_fraction")]

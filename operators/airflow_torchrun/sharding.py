@@ -243,11 +243,20 @@ def split_indices(
 
 # -- reading --------------------------------------------------------------------------------------
 def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """The fsspec filesystem and the path inside it for ``uri``."""
+    """The fsspec filesystem and the path inside it for ``uri``.
+
+    For ``s3://`` the endpoint in ``AWS_ENDPOINT_URL`` is used (as for checkpoints), overridden
+    by ``storage_options``; credentials come from botocore's usual chain.
+    """
     from fsspec.core import url_to_fs
 
+    options = dict(storage_options or {})
+    if uri.startswith(("s3://", "s3a://")):
+        from airflow_torchrun.checkpoint import s3_options_from_env
+
+        options = {**s3_options_from_env(), **options}
     try:
-        return url_to_fs(uri, **dict(storage_options or {}))
+        return url_to_fs(uri, **options)
     except (ImportError, ValueError) as exc:
         raise DatasetError(
             f"cannot open {uri!r}: {exc}. For s3:// install s3fs (pip install 'airflow-torchrun[s3]')"

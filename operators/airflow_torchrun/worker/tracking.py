@@ -152,7 +152,7 @@ class RunLogger:
         self._pending: list[Metric] = []
         self._pending_steps = 0
         self._last_flush = time.monotonic()
-        self._logged_steps: set[int] | None = None
+        self._logged: dict[str, set[int]] = {}
         self.steps_skipped = 0
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -170,6 +170,16 @@ class RunLogger:
         if self.run_id is None:
             raise RuntimeError("no MLflow run configured (MLFLOW_RUN_ID is not set)")
         return self.run_id
+
+    def _steps_logged(self, key: str) -> set[int]:
+        """Steps of metric ``key`` already in the run, read once per key."""
+        if key not in self._logged:
+            # A resumed try repeats the steps between its checkpoint and the failure.
+            steps = {m.step for m in self.client.get_metric_history(self._run, key)}
+            if steps:
+                log.info("MLflow run already holds %s up to step %d; not logging those steps again", key, max(steps))
+            self._logged[key] = steps
+        return self._logged[key]
 
     def __enter__(self) -> RunLogger:
         return self
@@ -231,22 +241,20 @@ class RunLogger:
         self.log_metrics(metrics, step)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Buffer metrics for ``step``; skipped when an earlier try already logged this step."""
+        """Buffer metrics for ``step``; a metric an earlier try already logged at ``step`` is left out."""
         if not self.enabled:
             return
-        if self._logged_steps is None:
-            # A resumed try repeats the steps between its checkpoint and the failure.
-            self._logged_steps = {m.step for m in self.client.get_metric_history(self._run, LOSS)}
-            if self._logged_steps:
-                log.info("MLflow run already holds steps up to %d; not logging those again", max(self._logged_steps))
-        if step in self._logged_steps:
+        fresh = {k: float(v) for k, v in metrics.items() if step not in self._steps_logged(k)}
+        if len(fresh) < len(metrics):
             self.steps_skipped += 1
+        if not fresh:
             return
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now_ms, int(step)) for k, v in metrics.items())
-        self._logged_steps.add(step)
+        self._pending.extend(Metric(k, v, now_ms, int(step)) for k, v in fresh.items())
+        for key in fresh:
+            self._logged[key].add(step)
         self._pending_steps += 1
         if self._pending_steps >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
