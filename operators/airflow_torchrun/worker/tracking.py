@@ -25,6 +25,7 @@ No Airflow import here; mlflow is imported on rank 0 only, when first needed.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import tempfile
@@ -323,7 +324,8 @@ class RunLogger:
             mlflow.set_tracking_uri(self.tracking_uri)
         # The logged model belongs to the run's experiment, not to whatever experiment is active.
         mlflow.set_experiment(experiment_id=self.client.get_run(self._run).info.experiment_id)
-        if input_example is None:
+        if input_example is None and "serialization_format" in inspect.signature(mlflow.pytorch.log_model).parameters:
+            # Newer MLflow defaults to "pt2", which cannot save without an example to trace.
             kwargs.setdefault("serialization_format", "pickle")
         info = mlflow.pytorch.log_model(module, name=name, run_id=self._run, input_example=input_example, **kwargs)
         log.info("Logged model %s to MLflow run %s as %s", name, self.run_id, info.model_uri)
