@@ -1,0 +1,204 @@
+"""The ``airflow-torchrun`` command.
+
+``airflow-torchrun render --dag-file dags/x.py --task-id train`` prints, as multi-document YAML,
+exactly the Kubernetes objects that task would create (its Indexed Job and headless Service), for
+review and for ``kubectl apply --dry-run=server -f -``. Nothing is sent to a cluster and no
+metadata database is needed; the task's templated fields are rendered with a small context
+(``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``try_number``, ``map_index``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from airflow_torchrun.errors import TorchrunError
+
+DEFAULT_RUN_ID = "manual__render"
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="airflow-torchrun", description="Tools for airflow-torchrun training groups.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    render = sub.add_parser(
+        "render",
+        help="print the Kubernetes objects a training task would create",
+        description=(
+            "Print, as multi-document YAML, the Indexed Job and headless Service that a "
+            "DistributedTrainingOperator task with backend='kubernetes' would create for the given run "
+            "and try. Nothing is sent to a cluster. The Service's ownerReference to the Job is added at "
+            "launch (it needs the Job's uid), so it is not in the output. Review the output, or check it "
+            "with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
+        ),
+    )
+    render.add_argument("--dag-file", required=True, type=Path, help="the Python file that defines the DAG")
+    render.add_argument("--task-id", required=True, help="the training task's task_id")
+    render.add_argument("--dag-id", help="the DAG's dag_id; needed only when the file defines several DAGs")
+    render.add_argument(
+        "--run-id",
+        default=DEFAULT_RUN_ID,
+        help=f"the DAG run's run_id; object names and labels derive from it (default: {DEFAULT_RUN_ID})",
+    )
+    render.add_argument("--try-number", type=int, default=1, help="the task try; part of the names (default: 1)")
+    render.add_argument(
+        "--map-index", type=int, default=-1, help="map index of a mapped task instance (default: -1, not mapped)"
+    )
+    render.add_argument(
+        "--logical-date",
+        help="logical date for templates, ISO 8601 (default: now, UTC)",
+    )
+    render.add_argument(
+        "--namespace",
+        help="namespace of the objects (default: the task's, else [torchrun] kubernetes_namespace, else default)",
+    )
+    render.add_argument(
+        "--runtimes-file",
+        type=Path,
+        help="read runtimes from this YAML file instead of [torchrun] runtimes_file and the Airflow Variable",
+    )
+    return parser
+
+
+def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> Any:
+    if not dag_file.is_file():
+        raise CliError(f"--dag-file {dag_file} does not exist")
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(dag_file), safe_mode=False)
+    if bag.import_errors:
+        errors = "\n".join(f"{path}:\n{err}" for path, err in bag.import_errors.items())
+        raise CliError(f"the DAG file does not import:\n{errors}")
+    if not bag.dags:
+        raise CliError(f"{dag_file} defines no DAG")
+    if dag_id is None:
+        if len(bag.dags) > 1:
+            raise CliError(f"{dag_file} defines several DAGs ({', '.join(sorted(bag.dags))}); choose one with --dag-id")
+        dag = next(iter(bag.dags.values()))
+    elif dag_id in bag.dags:
+        dag = bag.dags[dag_id]
+    else:
+        raise CliError(f"{dag_file} has no DAG {dag_id!r}; it defines {', '.join(sorted(bag.dags))}")
+    if not dag.has_task(task_id):
+        raise CliError(f"DAG {dag.dag_id} has no task {task_id!r}; its tasks: {', '.join(sorted(dag.task_ids))}")
+    task = dag.get_task(task_id)
+    if not callable(getattr(task, "contract_env", None)) or not (
+        callable(getattr(task, "group_spec", None)) or callable(getattr(task, "_spec", None))
+    ):
+        raise CliError(f"task {dag.dag_id}.{task_id} is a {type(task).__name__}, not a DistributedTrainingOperator")
+    return task
+
+
+def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
+    logical = datetime.fromisoformat(args.logical_date) if args.logical_date else datetime.now(tz=UTC)
+    if logical.tzinfo is None:
+        logical = logical.replace(tzinfo=UTC)
+    params = task.dag.params
+    return {
+        "dag": task.dag,
+        "task": task,
+        "run_id": args.run_id,
+        "logical_date": logical,
+        "ds": logical.strftime("%Y-%m-%d"),
+        "ds_nodash": logical.strftime("%Y%m%d"),
+        "ts": logical.isoformat(),
+        "ts_nodash": logical.strftime("%Y%m%dT%H%M%S"),
+        "params": params.dump() if hasattr(params, "dump") else dict(params or {}),
+        "try_number": args.try_number,
+        "map_index": args.map_index,
+    }
+
+
+def render_task(args: argparse.Namespace) -> str:
+    """The YAML for ``args`` (the ``render`` subcommand's work, without printing)."""
+    from airflow_torchrun.backends.k8s_render import to_yaml
+    from airflow_torchrun.backends.kubernetes import KubernetesBackend
+    from airflow_torchrun.runtimes import load_runtimes
+    from airflow_torchrun.wiring import GroupIdentity
+
+    task = _load_task(args.dag_file, args.dag_id, args.task_id)
+    context = _context(task, args)
+    try:
+        task.render_template_fields(context)
+    except Exception as exc:
+        raise CliError(
+            f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "
+            "run_id, ds, ts, logical_date, params, try_number and map_index to templates"
+        ) from exc
+    spec = task.group_spec() if callable(getattr(task, "group_spec", None)) else task._spec()
+    if spec.backend != "kubernetes":
+        raise CliError(
+            f"task {task.dag_id}.{task.task_id} uses backend={spec.backend!r}; render prints the objects of "
+            "backend='kubernetes' tasks only"
+        )
+    try:
+        extra_env = task.contract_env(context)
+    except Exception as exc:
+        raise CliError(f"the operator's contract variables need more than render can offer: {exc}") from exc
+    catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
+    backend = KubernetesBackend(namespace=args.namespace or getattr(task, "namespace", None), runtimes=catalog)
+    identity = GroupIdentity(
+        dag_id=task.dag_id,
+        task_id=task.task_id,
+        run_id=args.run_id,
+        try_number=args.try_number,
+        map_index=args.map_index,
+    )
+    rendered = backend.render(backend.plan(spec, identity, extra_env))
+    header = (
+        f"# airflow-torchrun render: {task.dag_id}.{task.task_id}, run {args.run_id}, try {args.try_number}, "
+        f"namespace {rendered.namespace}\n"
+        "# At launch the Service also gets an ownerReference to the Job (it needs the Job's uid).\n"
+    )
+    return header + to_yaml(rendered.objects)
+
+
+@contextlib.contextmanager
+def _stdout_kept_for(writer: list[IO[str]]) -> Iterator[None]:
+    """Send everything written to stdout (Airflow logs there while it loads a DAG) to stderr,
+    and hand out a writer for the real stdout, so that stdout carries the YAML alone."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout is not a file (embedded, captured)
+        writer.append(sys.stdout)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    writer.append(os.fdopen(os.dup(fd), "w"))
+    os.dup2(sys.stderr.fileno(), fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``airflow-torchrun``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    writer: list[IO[str]] = []
+    try:
+        with _stdout_kept_for(writer):
+            text = render_task(args)
+    except (CliError, TorchrunError) as exc:
+        print(f"airflow-torchrun {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    writer[0].write(text)
+    writer[0].flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""Platform runtimes: named bundles of image, resources and placement that a DAG picks by name.
+
+Platform engineers define runtimes once (Kubeflow Trainer's TrainingRuntime split); a DAG says
+``runtime="gpu"`` and never sees images, node selectors or tolerations. Sources, in order:
+
+1. the YAML file named by ``[torchrun] runtimes_file``;
+2. the Airflow Variable named by ``[torchrun] runtimes_variable`` (default ``torchrun_runtimes``),
+   JSON or YAML; a runtime defined there replaces the file's runtime of the same name;
+3. when neither holds anything, the built-in examples ``cpu`` and ``gpu`` (:data:`BUILTIN_RUNTIMES`).
+
+Both sources hold one mapping: runtime name -> definition (see ``docs/kubernetes.md``).
+:func:`get_runtime` is called when a DAG is parsed: it reads a cached file and, guarded, the
+Variable, so parsing works where no metadata database is reachable. Nothing here imports the
+Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from airflow_torchrun.errors import InvalidSpecError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RUNTIME = "cpu"
+DEFAULT_VARIABLE = "torchrun_runtimes"
+DEFAULT_IMAGE = "airflow-torchrun-trainer:0.1.0"
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_SHM_SIZE = "1Gi"
+DEFAULT_UID = 1000
+# How long one read of the Variable is reused: a DAG file with many training tasks parses them
+# all within a second, and an edited Variable takes effect on the next parse cycle.
+VARIABLE_TTL_SECONDS = 30.0
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+_TOLERATION_KEYS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
+_AFFINITY_KEYS = frozenset({"nodeAffinity", "podAffinity", "podAntiAffinity"})
+_RESOURCE_KEYS = frozenset({"cpu", "memory", "gpu", "gpu_resource", "ephemeral_storage"})
+_FIELDS = (
+    "description",
+    "image",
+    "image_pull_policy",
+    "nproc_per_node",
+    "resources",
+    "shm_size",
+    "node_selector",
+    "tolerations",
+    "affinity",
+    "queue",
+    "priority_class",
+    "service_account",
+    "image_pull_secrets",
+    "env",
+    "env_from_secrets",
+    "labels",
+    "annotations",
+    "working_dir",
+    "run_as_user",
+    "run_as_group",
+    "ttl_seconds_after_finished",
+    "pod_overrides",
+    "container_overrides",
+)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One named runtime. Build it with :func:`parse_runtime`, which validates.
+
+    Kubernetes-shaped values (tolerations, affinity, the overrides) keep Kubernetes' own
+    camelCase field names; they are copied into the rendered objects as they are.
+    """
+
+    name: str
+    image: str
+    description: str = ""
+    image_pull_policy: str | None = None
+    nproc_per_node: int = 1
+    cpu: str | None = None
+    memory: str | None = None
+    gpu: int = 0
+    gpu_resource: str = DEFAULT_GPU_RESOURCE
+    ephemeral_storage: str | None = None
+    shm_size: str | None = DEFAULT_SHM_SIZE
+    node_selector: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    queue: str | None = None
+    priority_class: str | None = None
+    service_account: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    env_from_secrets: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    working_dir: str | None = None
+    run_as_user: int = DEFAULT_UID
+    run_as_group: int = DEFAULT_UID
+    ttl_seconds_after_finished: int | None = None
+    pod_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    container_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = "built-in"
+
+    @property
+    def cpus(self) -> float | None:
+        """CPUs per node as a number (``"500m"`` -> 0.5), for OMP threads per rank."""
+        return cpu_count(self.cpu) if self.cpu is not None else None
+
+    def resources(self) -> dict[str, dict[str, str]]:
+        """The trainer container's resources: requests equal limits (Guaranteed QoS, so a
+        training pod is the last one the kubelet evicts under node pressure)."""
+        amounts: dict[str, str] = {}
+        if self.cpu is not None:
+            amounts["cpu"] = self.cpu
+        if self.memory is not None:
+            amounts["memory"] = self.memory
+        if self.ephemeral_storage is not None:
+            amounts["ephemeral-storage"] = self.ephemeral_storage
+        if self.gpu:
+            amounts[self.gpu_resource] = str(self.gpu)
+        if not amounts:
+            return {}
+        return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def cpu_count(quantity: str) -> float:
+    """``"2"`` -> 2.0, ``"500m"`` -> 0.5 (only the forms a CPU amount takes)."""
+    if quantity.endswith("m"):
+        return float(quantity[:-1]) / 1000
+    return float(quantity)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """A plain, mutable deep copy (dicts and lists) of a runtime's frozen value."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(v) for v in value]
+    return copy.copy(value)
+
+
+def parse_runtime(name: object, data: object, source: str = "") -> Runtime:
+    """Validate one runtime definition; raises :class:`InvalidSpecError` listing every problem."""
+    problems: list[str] = []
+    where = f"runtime {name!r}{f' in {source}' if source else ''}"
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > 63:
+        problems.append(
+            f"runtime name {name!r} must be lower-case letters, digits, '-', '_' or '.', at most 63 characters"
+        )
+    if not isinstance(data, Mapping):
+        raise InvalidSpecError([*problems, f"the definition must be a mapping, got {type(data).__name__}"], where)
+    unknown = sorted(set(map(str, data)) - set(_FIELDS))
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(unknown)}; known fields: {', '.join(_FIELDS)}")
+
+    def text(key: str, required: bool = False) -> str | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                problems.append(f"{key} is required")
+            return None
+        if not isinstance(value, str) or not value.strip():
+            problems.append(f"{key} must be a non-empty string, got {value!r}")
+            return None
+        return value
+
+    def whole(key: str, value: object, minimum: int) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            problems.append(f"{key} must be a whole number >= {minimum}, got {value!r}")
+            return None
+        return value
+
+    def quantity(key: str, value: object) -> str | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            problems.append(f"{key} must be a Kubernetes quantity such as '4', '500m' or '16Gi', got {value!r}")
+            return None
+        text_value = str(value)
+        if not _QUANTITY.match(text_value):
+            problems.append(f"{key} {text_value!r} is not a Kubernetes quantity (examples: '4', '500m', '16Gi')")
+            return None
+        return text_value
+
+    def str_map(key: str, check_keys: re.Pattern[str] | None = None) -> dict[str, str]:
+        value = data.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            problems.append(f"{key} must be a mapping of strings, got {type(value).__name__}")
+            return {}
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or (check_keys is not None and not check_keys.match(k)):
+                problems.append(f"{key}: {k!r} is not a valid name")
+                continue
+            if isinstance(v, Mapping | list | tuple) or v is None:
+                problems.append(f"{key}: the value of {k} must be a string, got {v!r}")
+                continue
+            out[k] = str(v)
+        return out
+
+    def str_list(key: str) -> tuple[str, ...]:
+        value = data.get(key)
+        if value is None:
+            return ()
+        if (
+            isinstance(value, str)
+            or not isinstance(value, Sequence)
+            or not all(isinstance(v, str) and v for v in value)
+        ):
+            problems.append(f"{key} must be a list of names, got {value!r}")
+            return ()
+        return tuple(value)
+
+    def obj(key: str) -> dict[str, Any]:
+        value = data.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            problems.append(f"{key} must be a mapping (Kubernetes field names), got {type(value).__name__}")
+            return {}
+        return dict(value)
+
+    image = text("image", required=True)
+    pull_policy = text("image_pull_policy")
+    if pull_policy is not None and pull_policy not in _PULL_POLICIES:
+        problems.append(f"image_pull_policy must be one of {', '.join(_PULL_POLICIES)}, got {pull_policy!r}")
+
+    resources = obj("resources")
+    for k in sorted(set(resources) - _RESOURCE_KEYS):
+        problems.append(f"resources: unknown key {k!r}; known keys: {', '.join(sorted(_RESOURCE_KEYS))}")
+    cpu = quantity("resources.cpu", resources.get("cpu"))
+    memory = quantity("resources.memory", resources.get("memory"))
+    storage = quantity("resources.ephemeral_storage", resources.get("ephemeral_storage"))
+    gpu = whole("resources.gpu", resources.get("gpu", 0), 0) or 0
+    gpu_resource = resources.get("gpu_resource", DEFAULT_GPU_RESOURCE)
+    if not isinstance(gpu_resource, str) or "/" not in gpu_resource:
+        problems.append(
+            f"resources.gpu_resource must be an extended resource name like 'nvidia.com/gpu', got {gpu_resource!r}"
+        )
+        gpu_resource = DEFAULT_GPU_RESOURCE
+
+    nproc = whole("nproc_per_node", data.get("nproc_per_node"), 1) or max(gpu, 1)
+    shm = quantity("shm_size", data["shm_size"]) if "shm_size" in data else DEFAULT_SHM_SIZE
+
+    tolerations = data.get("tolerations") or []
+    if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+        problems.append("tolerations must be a list of mappings (key, operator, value, effect, tolerationSeconds)")
+        tolerations = []
+    for t in tolerations:
+        extra = sorted(set(t) - _TOLERATION_KEYS)
+        if extra:
+            problems.append(f"tolerations: unknown key(s) {', '.join(extra)} in {dict(t)!r}")
+    affinity = obj("affinity")
+    extra_aff = sorted(set(affinity) - _AFFINITY_KEYS)
+    if extra_aff:
+        problems.append(f"affinity: unknown key(s) {', '.join(extra_aff)}; use {', '.join(sorted(_AFFINITY_KEYS))}")
+
+    env = str_map("env", _ENV_NAME)
+    run_as_user = whole("run_as_user", data.get("run_as_user", DEFAULT_UID), 0)
+    run_as_group = whole("run_as_group", data.get("run_as_group", DEFAULT_UID), 0)
+    ttl = whole("ttl_seconds_after_finished", data.get("ttl_seconds_after_finished"), 0)
+    pod_overrides = obj("pod_overrides")
+    container_overrides = obj("container_overrides")
+    for bad in ("containers", "initContainers", "restartPolicy", "subdomain"):
+        if bad in pod_overrides:
+            problems.append(
+                f"pod_overrides may not set {bad}: the group's wiring depends on it "
+                "(use container_overrides to change the trainer container)"
+            )
+    for bad in ("name", "image", "command", "args", "env"):
+        if bad in container_overrides:
+            problems.append(
+                f"container_overrides may not set {bad}; set image and env in the runtime, the command in the DAG"
+            )
+
+    if problems:
+        raise InvalidSpecError(problems, where)
+    if image is None:  # unreachable: a missing image is a problem above; narrows the type
+        raise InvalidSpecError(["image is required"], where)
+    return Runtime(
+        name=str(name),
+        image=image,
+        description=text("description") or "",
+        image_pull_policy=pull_policy,
+        nproc_per_node=nproc,
+        cpu=cpu,
+        memory=memory,
+        gpu=gpu,
+        gpu_resource=gpu_resource,
+        ephemeral_storage=storage,
+        shm_size=shm,
+        node_selector=MappingProxyType(str_map("node_selector")),
+        tolerations=tuple(_frozen(t) for t in tolerations),
+        affinity=_frozen(affinity) if affinity else None,
+        queue=text("queue"),
+        priority_class=text("priority_class"),
+        service_account=text("service_account"),
+        image_pull_secrets=str_list("image_pull_secrets"),
+        env=MappingProxyType(env),
+        env_from_secrets=str_list("env_from_secrets"),
+        labels=MappingProxyType(str_map("labels")),
+        annotations=MappingProxyType(str_map("annotations")),
+        working_dir=text("working_dir"),
+        run_as_user=DEFAULT_UID if run_as_user is None else run_as_user,
+        run_as_group=DEFAULT_UID if run_as_group is None else run_as_group,
+        ttl_seconds_after_finished=ttl,
+        pod_overrides=_frozen(pod_overrides),
+        container_overrides=_frozen(container_overrides),
+        source=source or "built-in",
+    )
+
+
+def parse_runtimes(data: object, source: str) -> dict[str, Runtime]:
+    """A whole runtimes document (name -> definition); every runtime's problems at once."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise InvalidSpecError(
+            [f"expected a mapping of runtime name -> definition, got {type(data).__name__}"], f"runtimes in {source}"
+        )
+    out: dict[str, Runtime] = {}
+    problems: list[str] = []
+    for name, definition in data.items():
+        try:
+            out[str(name)] = parse_runtime(name, definition, source)
+        except InvalidSpecError as exc:
+            problems += [f"runtime {name!r}: {p}" for p in exc.problems]
+    if problems:
+        raise InvalidSpecError(problems, f"runtimes in {source}")
+    return out
+
+
+# The two examples in effect when nothing is configured. They name the image that
+# images/trainer/README.md builds; a platform replaces them with its own runtimes file.
+BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
+    "cpu": {
+        "description": "CPU-only nodes: 2 CPUs and 4 GiB per node (an example; define your own runtimes)",
+        "image": DEFAULT_IMAGE,
+        "nproc_per_node": 1,
+        "resources": {"cpu": "2", "memory": "4Gi"},
+        "shm_size": "1Gi",
+    },
+    "gpu": {
+        "description": "One NVIDIA GPU per node, 8 CPUs, 32 GiB (an example; define your own runtimes)",
+        "image": DEFAULT_IMAGE,
+        "nproc_per_node": 1,
+        "resources": {"cpu": "8", "memory": "32Gi", "gpu": 1},
+        "shm_size": "8Gi",
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "env": {"NCCL_DEBUG": "WARN"},
+    },
+}
+BUILTIN_RUNTIMES: Mapping[str, Runtime] = MappingProxyType(parse_runtimes(BUILTIN_DEFINITIONS, "built-in"))
+
+_file_cache: dict[str, tuple[tuple[int, int], dict[str, Runtime]]] = {}
+_variable_cache: dict[str, tuple[float, str | None]] = {}
+
+
+def clear_cache() -> None:
+    """Forget cached file and Variable contents (tests; a long-lived process after an edit)."""
+    _file_cache.clear()
+    _variable_cache.clear()
+
+
+def _config(key: str, default: str | None = None) -> str | None:
+    try:
+        from airflow.sdk import conf
+    except ImportError:  # the core without Airflow: environment only
+        return os.environ.get(f"AIRFLOW__TORCHRUN__{key.upper()}", default)
+    value = conf.get("torchrun", key, fallback=default)
+    return value if value not in (None, "") else default
+
+
+def _yaml_load(text: str, source: str) -> object:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidSpecError([f"not valid YAML/JSON: {exc}"], f"runtimes in {source}") from exc
+
+
+def load_file(path: str) -> dict[str, Runtime]:
+    """The runtimes of one YAML file, cached until the file changes."""
+    p = Path(path).expanduser()
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise InvalidSpecError(
+            [f"the runtimes file {path} cannot be read ({exc.strerror}); fix [torchrun] runtimes_file"],
+            "runtimes",
+        ) from exc
+    key = (st.st_mtime_ns, st.st_size)
+    cached = _file_cache.get(str(p))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    runtimes = parse_runtimes(_yaml_load(p.read_text(), f"file {p}"), f"file {p}")
+    _file_cache[str(p)] = (key, runtimes)
+    return runtimes
+
+
+def read_variable(name: str) -> str | None:
+    """The Variable's text, or None when unset *or unreadable*.
+
+    Guarded on purpose: DAG parsing, the ``render`` command and tests may run where no metadata
+    database or API server is reachable; runtimes then come from the file or the built-ins.
+    Environment-defined Variables (``AIRFLOW_VAR_<NAME>``) are read through Airflow like any other.
+    """
+    now = time.monotonic()
+    cached = _variable_cache.get(name)
+    if cached is not None and now - cached[0] < VARIABLE_TTL_SECONDS:
+        return cached[1]
+    value: str | None
+    try:
+        from airflow.sdk import Variable
+
+        raw = Variable.get(name, default=None)
+        value = None if raw is None else str(raw)
+    except Exception as exc:  # any backend failure means "not available here", never a parse error
+        log.debug("Variable %s not readable here (%s); using the runtimes file or built-ins", name, exc)
+        value = None
+    _variable_cache[name] = (now, value)
+    return value
+
+
+@dataclass(frozen=True)
+class RuntimeCatalog:
+    runtimes: Mapping[str, Runtime]
+    sources: tuple[str, ...]
+
+    def describe_sources(self) -> str:
+        return ", ".join(self.sources)
+
+
+def load_runtimes(*, file: str | None = None, variable: str | None = None) -> RuntimeCatalog:
+    """Every runtime in effect, from ``file`` / ``variable`` or the Airflow config when not given.
+
+    Pass ``variable=""`` to skip the Variable lookup.
+    """
+    path = file if file is not None else _config("runtimes_file")
+    var_name = variable if variable is not None else _config("runtimes_variable", DEFAULT_VARIABLE)
+    merged: dict[str, Runtime] = {}
+    sources: list[str] = []
+    if path:
+        merged.update(load_file(path))
+        sources.append(f"file {path}")
+    if var_name:
+        text = read_variable(var_name)
+        if text is not None and text.strip():
+            merged.update(parse_runtimes(_yaml_load(text, f"Variable {var_name}"), f"Variable {var_name}"))
+            sources.append(f"Variable {var_name}")
+    if not sources:
+        return RuntimeCatalog(BUILTIN_RUNTIMES, ("built-in examples",))
+    return RuntimeCatalog(MappingProxyType(merged), tuple(sources))
+
+
+def default_runtime_name() -> str:
+    return _config("default_runtime", DEFAULT_RUNTIME) or DEFAULT_RUNTIME
+
+
+def get_runtime(name: str | None = None, *, where: str = "", catalog: RuntimeCatalog | None = None) -> Runtime:
+    """The runtime called ``name`` (``[torchrun] default_runtime``, else ``cpu``, when None).
+
+    Raises :class:`InvalidSpecError` naming the known runtimes when there is no such runtime.
+    """
+    catalog = catalog or load_runtimes()
+    chosen = name or default_runtime_name()
+    runtime = catalog.runtimes.get(chosen)
+    if runtime is None:
+        known = ", ".join(sorted(catalog.runtimes)) or "(none)"
+        raise InvalidSpecError(
+            [
+                f"runtime {chosen!r} is unknown; known runtimes: {known} (from {catalog.describe_sources()}). "
+                "Pick one of them, or ask your platform team to define it in [torchrun] runtimes_file "
+                f"or the Airflow Variable {DEFAULT_VARIABLE}"
+            ],
+            where,
+        )
+    return runtime

@@ -1,0 +1,127 @@
+"""``airflow-torchrun render``: the objects a task would create, from its DAG file alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from airflow_torchrun import cli
+from airflow_torchrun.backends.kubernetes import KubernetesBackend
+from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.wiring import GroupIdentity
+
+DAG = textwrap.dedent(
+    """
+    import pendulum
+    from airflow.sdk import DAG
+    from airflow_torchrun import DistributedTrainingOperator
+
+    with DAG("nightly", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+             params={"epochs": 3}):
+        DistributedTrainingOperator(
+            task_id="train",
+            backend="kubernetes",
+            runtime="gpu",
+            script="/opt/trainer/train.py",
+            script_args=["--epochs", "{{ params.epochs }}"],
+            num_nodes=2,
+            nproc_per_node=1,
+            env={"RUN": "{{ run_id }}"},
+        )
+        DistributedTrainingOperator(task_id="local_train", command=["true"], backend="local")
+    """
+)
+
+
+@pytest.fixture
+def dag_file(tmp_path: Path) -> Path:
+    path = tmp_path / "nightly.py"
+    path.write_text(DAG)
+    return path
+
+
+def expected_objects(namespace: str, run_id: str, try_number: int) -> list[dict[str, object]]:
+    spec = GroupSpec.create(
+        num_nodes=2,
+        nproc_per_node=1,
+        script="/opt/trainer/train.py",
+        script_args=["--epochs", "3"],
+        env={"RUN": run_id},
+        backend="kubernetes",
+        runtime="gpu",
+    )
+    backend = KubernetesBackend(namespace=namespace, runtimes=BUILTIN_RUNTIMES)
+    identity = GroupIdentity("nightly", "train", run_id, try_number=try_number)
+    return backend.render(backend.plan(spec, identity, {})).objects
+
+
+def test_render_prints_exactly_what_the_backend_would_create(
+    dag_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = "manual__2026-11-30T10:00:00+00:00"
+    args = ["render", "--dag-file", str(dag_file), "--task-id", "train", "--run-id", run_id, "--try-number", "2"]
+    assert cli.main([*args, "--namespace", "ml"]) == 0
+    out = capsys.readouterr().out
+    objects = list(yaml.safe_load_all(out))
+    assert objects == expected_objects("ml", run_id, 2)
+    assert [o["kind"] for o in objects] == ["Job", "Service"]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.34.0", strict=True)
+
+
+def test_console_script_keeps_stdout_for_yaml(dag_file: Path) -> None:
+    script = Path(sys.executable).with_name("airflow-torchrun")
+    done = subprocess.run(
+        [str(script), "render", "--dag-file", str(dag_file), "--task-id", "train"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# airflow-torchrun render: nightly.train, run manual__render, try 1")
+    assert list(yaml.safe_load_all(done.stdout)) == expected_objects("default", "manual__render", 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--task-id", "nope"], "DAG nightly has no task 'nope'; its tasks: local_train, train"),
+        (["--task-id", "local_train"], "uses backend='local'; render prints the objects of backend='kubernetes'"),
+        (["--task-id", "train", "--dag-id", "other"], "has no DAG 'other'; it defines nightly"),
+    ],
+)
+def test_render_errors_say_what_to_change(
+    dag_file: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    assert cli.main(["render", "--dag-file", str(dag_file), *extra]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == ""
+
+
+def test_render_with_a_runtimes_file(dag_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runtimes = tmp_path / "runtimes.yaml"
+    runtimes.write_text("gpu:\n  image: registry.example.com/trainer:9\n  resources: {gpu: 2}\n")
+    assert (
+        cli.main(["render", "--dag-file", str(dag_file), "--task-id", "train", "--runtimes-file", str(runtimes)]) == 0
+    )
+    job = next(yaml.safe_load_all(capsys.readouterr().out))
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["image"] == "registry.example.com/trainer:9"
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+    runtimes.write_text("cpu:\n  image: t:1\n")
+    assert (
+        cli.main(["render", "--dag-file", str(dag_file), "--task-id", "train", "--runtimes-file", str(runtimes)]) == 1
+    )
+    assert "runtime 'gpu' is unknown; known runtimes: cpu" in capsys.readouterr().err

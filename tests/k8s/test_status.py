@@ -1,0 +1,333 @@
+"""The pure translation of Kubernetes objects into node observations: a table of real-shaped cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from airflow_torchrun.backends.k8s_logs import LogCursor, split_stamp
+from airflow_torchrun.backends.k8s_status import (
+    disruption,
+    needs_events,
+    needs_workloads,
+    node_observations,
+    parse_indexes,
+    pod_observation,
+    preemption_reason,
+)
+from airflow_torchrun.status import GroupState, NodePhase, group_status
+
+T0 = "2026-11-30T10:00:00Z"
+T1 = "2026-11-30T10:00:01Z"
+T5 = "2026-11-30T10:00:05Z"
+T9 = "2026-11-30T10:00:09Z"
+
+
+def cstatus(name: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "image": "trainer:1", "imageID": "", "ready": False, "restartCount": 0, "state": state}
+
+
+def pod(
+    index: int,
+    phase: str,
+    *,
+    conditions: list[dict[str, Any]] | None = None,
+    init: dict[str, Any] | None = None,
+    main: dict[str, Any] | None = None,
+    reason: str | None = None,
+    message: str | None = None,
+    deleting: bool = False,
+    created: str = T0,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": f"g-{index}-abcde",
+        "creationTimestamp": created,
+        "annotations": {"batch.kubernetes.io/job-completion-index": str(index)},
+        "labels": {"batch.kubernetes.io/job-completion-index": str(index)},
+    }
+    if deleting:
+        meta["deletionTimestamp"] = T9
+    status: dict[str, Any] = {"phase": phase, "startTime": T0, "conditions": conditions or []}
+    if init is not None:
+        status["initContainerStatuses"] = [cstatus("wait-for-master", init)]
+    if main is not None:
+        status["containerStatuses"] = [cstatus("trainer", main)]
+    if reason:
+        status["reason"] = reason
+    if message:
+        status["message"] = message
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+
+
+def cond(
+    type_: str, status: str, reason: str | None = None, message: str | None = None, at: str = T0
+) -> dict[str, Any]:
+    c = {"type": type_, "status": status, "lastTransitionTime": at}
+    if reason:
+        c["reason"] = reason
+    if message:
+        c["message"] = message
+    return c
+
+
+def terminated(code: int, reason: str, finished: str = T5, message: str | None = None) -> dict[str, Any]:
+    t: dict[str, Any] = {"terminated": {"exitCode": code, "reason": reason, "finishedAt": finished}}
+    if message:
+        t["terminated"]["message"] = message
+    return t
+
+
+def job(
+    *, suspend: bool = False, conditions: list[dict[str, Any]] | None = None, completed: str | None = None
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": conditions or []}
+    if completed:
+        status["completedIndexes"] = completed
+    labels = {"kueue.x-k8s.io/queue-name": "team-a"} if suspend else {}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "g", "uid": "u-1", "labels": labels},
+        "spec": {"completions": 2, "suspend": suspend},
+        "status": status,
+    }
+
+
+UNSCHEDULABLE = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+
+POD_CASES = [
+    pytest.param(
+        pod(0, "Pending", conditions=[cond("PodScheduled", "False", "Unschedulable", UNSCHEDULABLE)]),
+        (NodePhase.PENDING, f"Unschedulable: {UNSCHEDULABLE}", True, None),
+        id="unschedulable",
+    ),
+    pytest.param(
+        pod(0, "Pending", conditions=[cond("PodScheduled", "False", "SchedulingGated", "Scheduling is blocked")]),
+        (NodePhase.PENDING, "SchedulingGated: Scheduling is blocked", True, None),
+        id="scheduling-gated",
+    ),
+    pytest.param(
+        pod(0, "Pending", init={"running": {"startedAt": T0}}, main={"waiting": {"reason": "PodInitializing"}}),
+        (NodePhase.PENDING, "waiting for node 0's DNS name to resolve", True, None),
+        id="waiting-for-dns",
+    ),
+    pytest.param(
+        pod(0, "Pending", main={"waiting": {"reason": "ContainerCreating"}}),
+        (NodePhase.PENDING, "ContainerCreating", True, None),
+        id="container-creating",
+    ),
+    pytest.param(
+        pod(1, "Pending", main={"waiting": {"reason": "ErrImagePull", "message": "manifest unknown: trainer:nope"}}),
+        (NodePhase.FAILED, "ErrImagePull (container trainer): manifest unknown: trainer:nope", False, None),
+        id="image-missing",
+    ),
+    pytest.param(
+        pod(1, "Pending", main={"waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}),
+        (NodePhase.FAILED, "ImagePullBackOff (container trainer): pull access denied", False, None),
+        id="image-denied",
+    ),
+    pytest.param(
+        pod(1, "Pending", main={"waiting": {"reason": "ErrImagePull", "message": "i/o timeout"}}),
+        (NodePhase.PENDING, "ErrImagePull: i/o timeout", True, None),
+        id="image-pull-transient",
+    ),
+    pytest.param(
+        pod(0, "Pending", main={"waiting": {"reason": "InvalidImageName", "message": 'couldn\'t parse "A:B:C"'}}),
+        (NodePhase.FAILED, 'InvalidImageName (container trainer): couldn\'t parse "A:B:C"', False, None),
+        id="invalid-image",
+    ),
+    pytest.param(
+        pod(
+            0, "Pending", main={"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}}
+        ),
+        (NodePhase.FAILED, 'CreateContainerConfigError (container trainer): secret "s3" not found', False, None),
+        id="missing-secret",
+    ),
+    pytest.param(
+        pod(0, "Running", main={"running": {"startedAt": T1}}),
+        (NodePhase.RUNNING, None, True, None),
+        id="running",
+    ),
+    pytest.param(
+        pod(0, "Succeeded", main=terminated(0, "Completed")),
+        (NodePhase.SUCCEEDED, None, True, None),
+        id="succeeded",
+    ),
+    pytest.param(
+        pod(1, "Failed", main=terminated(137, "OOMKilled")),
+        (NodePhase.FAILED, "OOMKilled", True, None),
+        id="oom-killed",
+    ),
+    pytest.param(
+        pod(1, "Failed", main=terminated(1, "OOMKilled")),
+        (NodePhase.FAILED, "OOMKilled", True, None),
+        id="oom-killed-worker-agent-exit-1",
+    ),
+    pytest.param(
+        pod(1, "Failed", main=terminated(3, "Error")),
+        (NodePhase.FAILED, None, True, None),
+        id="error-exit",
+    ),
+    pytest.param(
+        pod(
+            0,
+            "Failed",
+            main=terminated(143, "Error"),
+            conditions=[cond("DisruptionTarget", "True", "PreemptionByScheduler", "Preempted by ns/critical")],
+        ),
+        (NodePhase.FAILED, "Preempted (PreemptionByScheduler): Preempted by ns/critical", True, None),
+        id="preempted",
+    ),
+    pytest.param(
+        pod(
+            0,
+            "Failed",
+            main=terminated(143, "Error"),
+            conditions=[cond("DisruptionTarget", "True", "EvictionByEvictionAPI", "Eviction API: evicting")],
+            deleting=True,
+        ),
+        (NodePhase.FAILED, "Evicted (EvictionByEvictionAPI): Eviction API: evicting", True, None),
+        id="drained",
+    ),
+    pytest.param(
+        pod(0, "Failed", reason="Evicted", message="The node was low on resource: memory."),
+        (NodePhase.FAILED, "Evicted (kubelet): The node was low on resource: memory.", True, None),
+        id="kubelet-eviction",
+    ),
+    pytest.param(
+        pod(0, "Failed", reason="Evicted", message="Pod ephemeral local storage usage exceeds the total limit of 1Gi."),
+        (
+            NodePhase.FAILED,
+            "ResourceLimitExceeded: Pod ephemeral local storage usage exceeds the total limit of 1Gi.",
+            True,
+            None,
+        ),
+        id="over-own-limit",
+    ),
+    pytest.param(
+        pod(0, "Failed", main=terminated(128, "StartError", message='exec: "python": executable file not found')),
+        (NodePhase.FAILED, 'StartError: exec: "python": executable file not found', False, None),
+        id="start-error",
+    ),
+    pytest.param(
+        pod(1, "Failed", init=terminated(1, "Error"), main={"waiting": {"reason": "PodInitializing"}}),
+        (NodePhase.FAILED, "init container wait-for-master failed", True, None),
+        id="dns-wait-gave-up",
+    ),
+    pytest.param(
+        pod(0, "Failed", main=terminated(143, "Error"), deleting=True),
+        (NodePhase.FAILED, None, True, "deleted"),
+        id="stopped-by-job-controller",
+    ),
+]
+
+
+@pytest.mark.parametrize(("obj", "expected"), POD_CASES)
+def test_pod_observation(obj: dict[str, Any], expected: tuple[NodePhase, str | None, bool, str | None]) -> None:
+    obs = pod_observation(int(obj["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]), obj)
+    assert (obs.phase, obs.reason, obs.retryable, obs.stopped_by) == expected
+
+
+def test_exit_codes_and_signals() -> None:
+    oom = pod_observation(1, pod(1, "Failed", main=terminated(137, "OOMKilled")))
+    assert (oom.exit_code, oom.signal) == (137, "SIGKILL")
+    err = pod_observation(1, pod(1, "Failed", main=terminated(3, "Error")))
+    assert (err.exit_code, err.signal) == (3, None)
+
+
+def test_missing_pods_by_job_state() -> None:
+    assert [n.reason for n in node_observations(2, job(), [])] == ["pod not created yet"] * 2
+    quota = {
+        "reason": "FailedCreate",
+        "message": "exceeded quota: q",
+        "lastTimestamp": T5,
+        "involvedObject": {"kind": "Job", "name": "g"},
+    }
+    older = {**quota, "message": "older", "lastTimestamp": T1}
+    assert node_observations(1, job(), [], events=[older, quota])[0].reason == "FailedCreate: exceeded quota: q"
+    done = node_observations(2, job(completed="0-1"), [])
+    assert [n.phase for n in done] == [NodePhase.SUCCEEDED] * 2
+    failed = node_observations(
+        2,
+        job(conditions=[cond("Failed", "True", "BackoffLimitExceeded", "Job has reached the specified backoff limit")]),
+        [],
+    )
+    assert failed[0].phase is NodePhase.FAILED and failed[0].stopped_by == "kubernetes"
+    assert (
+        failed[0].reason
+        == "stopped: the Job failed (BackoffLimitExceeded): Job has reached the specified backoff limit"
+    )
+    lost = node_observations(2, None, [])
+    assert [n.phase for n in lost] == [NodePhase.LOST] * 2
+
+
+def test_kueue_admission_and_eviction() -> None:
+    suspended = job(suspend=True)
+    assert (
+        node_observations(1, suspended, [])[0].reason == "waiting for Kueue admission in queue team-a (Job suspended)"
+    )
+    pending = {"status": {"conditions": [cond("QuotaReserved", "False", "Pending", "insufficient quota for cpu")]}}
+    assert node_observations(1, suspended, [], workloads=[pending])[0].reason == (
+        "waiting for Kueue admission in queue team-a: insufficient quota for cpu"
+    )
+    evicted = {"status": {"conditions": [cond("Evicted", "True", "Preempted", "Preempted to accommodate a workload")]}}
+    obs = node_observations(2, suspended, [], workloads=[evicted])
+    assert obs[0].phase is NodePhase.FAILED
+    assert obs[0].reason == "Preempted (Kueue: Preempted): Preempted to accommodate a workload"
+    status = group_status(obs, launched_at=0, now=1, startup_timeout=60)
+    assert preemption_reason(status) == "node 0: Preempted (Kueue: Preempted): Preempted to accommodate a workload"
+
+
+def test_several_pods_for_one_index_prefer_the_failure() -> None:
+    old_failed = pod(0, "Failed", main=terminated(137, "OOMKilled"), created=T0)
+    replacement = pod(0, "Pending", created=T5)
+    (obs,) = node_observations(1, job(), [replacement, old_failed])
+    assert obs.reason == "OOMKilled"
+
+
+def test_preemption_is_found_among_collateral_failures() -> None:
+    pods = [
+        pod(
+            0,
+            "Failed",
+            main=terminated(143, "Error", finished=T9),
+            conditions=[cond("DisruptionTarget", "True", "DeletionByTaintManager", "Taint manager: deleting", at=T1)],
+        ),
+        pod(1, "Failed", main=terminated(1, "Error", finished=T5)),
+    ]
+    nodes = node_observations(2, job(), pods)
+    status = group_status(nodes, launched_at=0, now=2e9, startup_timeout=60)
+    assert status.state is GroupState.FAILED and status.failed_node == 0  # the disruption began first
+    hit = disruption(nodes)
+    assert hit is not None and hit.node_rank == 0
+    assert preemption_reason(status) == "node 0: Evicted (DeletionByTaintManager): Taint manager: deleting"
+    real = node_observations(1, job(), [pod(0, "Failed", main=terminated(1, "Error"))])
+    assert preemption_reason(group_status(real, launched_at=0, now=1, startup_timeout=60)) is None
+
+
+def test_what_to_read_besides_pods() -> None:
+    assert needs_events(2, job(), [pod(0, "Running")])
+    assert not needs_events(1, job(), [pod(0, "Running")])
+    assert not needs_events(2, job(suspend=True), [])
+    assert needs_workloads(job(suspend=True)) and not needs_workloads(job()) and not needs_workloads(None)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("", set()), ("0", {0}), ("0,2-4", {0, 2, 3, 4}), ("1-2, 5", {1, 2, 5})]
+)
+def test_parse_indexes(text: str, expected: set[int]) -> None:
+    assert parse_indexes(text) == expected
+
+
+def test_log_cursor_returns_each_line_once() -> None:
+    cursor = LogCursor()
+    first = "2026-11-30T10:00:00.5Z a\n2026-11-30T10:00:01.000000001Z b\n2026-11-30T10:00:01.000000001Z c\n"
+    assert cursor.feed(first) == ["a", "b", "c"]
+    assert cursor.since_time() == "2026-11-30T10:00:01Z"
+    # The next read from sinceTime (whole seconds) repeats the last second's lines.
+    again = "2026-11-30T10:00:01.000000001Z b\n2026-11-30T10:00:01.000000001Z c\n2026-11-30T10:00:01.000000001Z d\n"
+    assert cursor.feed(again + "2026-11-30T10:00:02.25Z e f\n") == ["d", "e f"]
+    assert cursor.feed("2026-11-30T10:00:02.25Z e f\n") == []
+    assert split_stamp("2026-11-30T10:00:02.25+01:00 x") == ((1796029202, 250000000), "x")
+    assert split_stamp("no stamp") == (None, "no stamp")
