@@ -44,6 +44,8 @@ FORMATS = ("parquet", "csv", "npz")
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 EVAL_NAME = "eval"
+#: The manifest fields that, together, determine every byte of the output.
+REQUEST_KEYS = ("source_uri", "source_sha256", "format", "seed", "eval_fraction", "num_shards")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".npz": "npz"}
 _SUFFIX = {"parquet": ".parquet", "csv": ".csv", "npz": ".npz"}
 # A fixed timestamp inside .npz zip entries: numpy's own savez stamps the current time, which
@@ -102,14 +104,8 @@ class Manifest:
 
     def request(self) -> dict[str, Any]:
         """The inputs that determine every byte written; equal requests give equal files."""
-        return {
-            "source_uri": self.source_uri,
-            "source_sha256": self.source_sha256,
-            "format": self.format,
-            "seed": self.seed,
-            "eval_fraction": self.eval_fraction,
-            "num_shards": self.num_shards,
-        }
+        everything = self.to_dict()
+        return {key: everything[key] for key in REQUEST_KEYS}
 
     def to_dict(self) -> dict[str, Any]:
         return {
