@@ -321,3 +321,36 @@ def test_marker_is_json_that_names_the_step(root: Root) -> None:
     raw = store.fs.cat_file(f"{store.step_path(7)}/{COMMIT_MARKER}")
     marker = json.loads(raw)
     assert (marker["step"], marker["world_size"], marker["format"], marker["epoch"]) == (7, 4, "dcp", 1)
+
+
+# -- from an Airflow connection to the ranks' environment ----------------------------------------
+def test_storage_options_from_aws_connection_and_back_to_env() -> None:
+    from airflow_torchrun.checkpoint import storage_env, storage_options_from_aws_connection
+
+    extra = {
+        "region_name": "eu-west-1",
+        "aws_session_token": "tok",
+        "endpoint_url": "http://ignored:1",
+        "service_config": {"s3": {"endpoint_url": "http://minio:9000"}},
+    }
+    options = storage_options_from_aws_connection("AKID", "SECRET", extra)
+    assert options == {
+        "key": "AKID",
+        "secret": "SECRET",
+        "token": "tok",
+        "endpoint_url": "http://minio:9000",
+        "client_kwargs": {"region_name": "eu-west-1"},
+    }
+    assert storage_options_from_aws_connection(None, None, {}) == {}  # botocore's own chain decides
+    env = storage_env({**options, "config_kwargs": {"connect_timeout": 3}})
+    assert env == {
+        "AWS_ACCESS_KEY_ID": "AKID",
+        "AWS_SECRET_ACCESS_KEY": "SECRET",
+        "AWS_SESSION_TOKEN": "tok",
+        "AWS_ENDPOINT_URL": "http://minio:9000",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+        "TRAIN_CHECKPOINT_STORAGE_OPTIONS": '{"config_kwargs": {"connect_timeout": 3}}',
+    }
+    assert storage_env(None) == {}
+    with pytest.raises(StorageError, match="JSON-serialisable"):
+        storage_env({"config_kwargs": object()})

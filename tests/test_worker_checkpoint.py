@@ -366,3 +366,23 @@ def test_import_boundaries() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_connection_options_reach_the_ranks_through_env(moto_s3: MotoS3, clean_env: Any) -> None:
+    """What the operator does with aws_conn_id: connection -> storage_options -> rank env -> s3."""
+    from airflow_torchrun.checkpoint import storage_env, storage_options_from_aws_connection
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
+        clean_env.delenv(name, raising=False)
+    bucket = moto_s3.make_bucket()
+    options = storage_options_from_aws_connection(
+        "testing", "testing", {"region_name": "us-east-1", "service_config": {"s3": {"endpoint_url": moto_s3.endpoint}}}
+    )
+    options["config_kwargs"] = {"connect_timeout": 3}
+    root = f"s3://{bucket}/from-connection"
+    CheckpointStore(root, options).check_access()
+    for key, value in storage_env(options).items():
+        clean_env.setenv(key, value)
+    clean_env.setenv("TRAIN_CHECKPOINT_URI", root)
+    uri = save_checkpoint({"x": torch.arange(3)}, 12)
+    assert CheckpointStore(root, options).latest() == CheckpointRef(uri, 12)

@@ -155,7 +155,13 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s",
     )
-    use_cuda = torch.cuda.is_available()
+    # One GPU per rank (NCCL refuses two ranks on one device); otherwise train on CPU with gloo.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() and local_world <= torch.cuda.device_count()
+    if torch.cuda.is_available() and not use_cuda and rank == 0:
+        log.warning(
+            "%d ranks per node but %d GPU(s): training on CPU with gloo", local_world, torch.cuda.device_count()
+        )
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

@@ -45,6 +45,8 @@ COMMIT_MARKER = "COMMITTED"
 MARKER_VERSION = 1
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
+# The part of storage_options that is not an AWS_* variable reaches the ranks as JSON here.
+STORAGE_OPTIONS_ENV = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
 
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d+)$")
 # S3's bucket naming rules (lower case, 3-63 chars, no leading/trailing dot or hyphen).
@@ -136,6 +138,69 @@ def s3_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if env is None else env
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
     return {"endpoint_url": endpoint} if endpoint else {}
+
+
+def storage_options_from_aws_connection(
+    login: str | None, password: str | None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """s3fs options from the fields of an Airflow AWS connection (no Airflow import here).
+
+    ``login``/``password`` are the access key id and secret; ``extra`` may hold
+    ``aws_session_token``, ``region_name``, ``endpoint_url`` (or ``service_config.s3.endpoint_url``,
+    which wins, as in the Amazon provider). Empty fields are left to botocore's own chain.
+    """
+    extra = extra or {}
+    options: dict[str, Any] = {}
+    key = login or extra.get("aws_access_key_id")
+    secret = password or extra.get("aws_secret_access_key")
+    if key:
+        options["key"] = key
+    if secret:
+        options["secret"] = secret
+    if extra.get("aws_session_token"):
+        options["token"] = extra["aws_session_token"]
+    s3_config = (extra.get("service_config") or {}).get("s3") or {}
+    endpoint = s3_config.get("endpoint_url") or extra.get("endpoint_url")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    if extra.get("region_name"):
+        options["client_kwargs"] = {"region_name": extra["region_name"]}
+    return options
+
+
+def storage_env(storage_options: Mapping[str, Any] | None) -> dict[str, str]:
+    """Environment that gives every rank the same S3 access as ``storage_options``.
+
+    Credentials, region and endpoint become the standard ``AWS_*`` variables (botocore reads them);
+    any other option travels as JSON in ``TRAIN_CHECKPOINT_STORAGE_OPTIONS``. On Kubernetes put the
+    credentials in a Secret rather than in the pod spec.
+    """
+    options = dict(storage_options or {})
+    env: dict[str, str] = {}
+    for option, variable in (
+        ("key", "AWS_ACCESS_KEY_ID"),
+        ("secret", "AWS_SECRET_ACCESS_KEY"),
+        ("token", "AWS_SESSION_TOKEN"),
+        ("endpoint_url", "AWS_ENDPOINT_URL"),
+    ):
+        value = options.pop(option, None)
+        if value:
+            env[variable] = str(value)
+    client_kwargs = dict(options.pop("client_kwargs", None) or {})
+    region = client_kwargs.pop("region_name", None)
+    if region:
+        env["AWS_DEFAULT_REGION"] = str(region)
+    endpoint = client_kwargs.pop("endpoint_url", None)
+    if endpoint and "AWS_ENDPOINT_URL" not in env:
+        env["AWS_ENDPOINT_URL"] = str(endpoint)
+    if client_kwargs:
+        options["client_kwargs"] = client_kwargs
+    if options:
+        try:
+            env[STORAGE_OPTIONS_ENV] = json.dumps(options, sort_keys=True)
+        except TypeError as exc:
+            raise StorageError(f"storage_options must be JSON-serialisable to reach the ranks: {exc}") from exc
+    return env
 
 
 def _merge_options(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from airflow_torchrun.checkpoint import CheckpointStore, normalize_uri, ref_from_uri
+from airflow_torchrun.checkpoint import STORAGE_OPTIONS_ENV, CheckpointStore, normalize_uri, ref_from_uri
 from airflow_torchrun.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 ENV_CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
 ENV_RESUME_FROM = "TRAIN_RESUME_FROM"
 ENV_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
-ENV_STORAGE_OPTIONS = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
+ENV_STORAGE_OPTIONS = STORAGE_OPTIONS_ENV
 DEFAULT_KEEP_LAST = 3
 
 STATE_FILE = "state.pt"

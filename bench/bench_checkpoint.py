@@ -1,0 +1,249 @@
+"""Checkpoint benchmark: save/load throughput against a raw copy of the same bytes, and the
+training-time overhead of checkpointing in the example trainer.
+
+Run standalone (about 2 minutes on 2 cores)::
+
+    .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--skip-s3] [--skip-train]
+
+S3 is moto's server on localhost (started here, in this process), reached through s3fs over HTTP:
+compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = ROOT / "images" / "trainer" / "train.py"
+
+
+@dataclass
+class Row:
+    backend: str
+    op: str
+    size_mb: float
+    ours_s: float
+    raw_s: float
+
+    def cells(self) -> list[str]:
+        ours_rate = self.size_mb / self.ours_s
+        raw_rate = self.size_mb / self.raw_s
+        return [
+            self.backend,
+            self.op,
+            f"{self.size_mb:.0f}",
+            f"{self.ours_s:.2f}",
+            f"{ours_rate:.0f}",
+            f"{self.raw_s:.2f}",
+            f"{raw_rate:.0f}",
+            f"{ours_rate / raw_rate:.2f}",
+        ]
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += [
+        "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def median_time(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def make_state(size_mb: int) -> dict[str, object]:
+    """A model-like state dict: float32 matrices of 4 MiB each, plus a few small entries."""
+    generator = torch.Generator().manual_seed(0)
+    count = max(1, round(size_mb / 4))
+    layers = {f"layers.{i}.weight": torch.randn(1024, 1024, generator=generator) for i in range(count)}
+    return {"model": layers, "step": 1, "lr": 1e-3}
+
+
+def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int) -> list[Row]:
+    from airflow_torchrun.checkpoint import CheckpointStore
+    from airflow_torchrun.worker import load_checkpoint, save_checkpoint
+
+    store = CheckpointStore(root_uri)
+    fs = store.fs
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    blob = buffer.getvalue()
+    size_mb = len(blob) / 1e6
+    raw_path = f"{store.location.path}/raw-copy.bin"
+
+    def raw_write() -> None:
+        if backend == "file":
+            # Same durability as save_checkpoint: write, fsync, rename.
+            os.makedirs(store.location.path, exist_ok=True)
+            tmp = raw_path + ".tmp"
+            with open(tmp, "wb") as fp:
+                fp.write(blob)
+                fp.flush()
+                os.fsync(fp.fileno())
+            os.replace(tmp, raw_path)
+        else:
+            fs.pipe_file(raw_path, blob)
+
+    def raw_read() -> None:
+        if backend == "file":
+            with open(raw_path, "rb") as fp:
+                fp.read()
+        else:
+            fs.cat_file(raw_path)
+
+    steps = iter(range(1, 10_000))
+    last_uri: list[str] = []
+
+    def ours_write() -> None:
+        last_uri[:] = [save_checkpoint(state, next(steps), uri=root_uri, keep_last=1)]
+
+    def ours_read() -> None:
+        load_checkpoint(uri=last_uri[0])
+
+    # One unmeasured round each, so that connection set-up and first allocations are not timed.
+    raw_write()
+    ours_write()
+    rows = [
+        Row(backend, "write", size_mb, median_time(ours_write, repeat), median_time(raw_write, repeat)),
+        Row(backend, "read", size_mb, median_time(ours_read, repeat), median_time(raw_read, repeat)),
+    ]
+    fs.rm(store.location.path, recursive=True)
+    return rows
+
+
+def start_moto() -> tuple[object, str]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+        }
+    )
+    return server, endpoint
+
+
+FINAL = re.compile(r"FINAL step=(\d+) .*train_s=([0-9.]+) checkpoint_s=([0-9.]+)")
+
+
+def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
+    env.update(extra_env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    match = FINAL.search(proc.stdout)
+    if proc.returncode != 0 or not match:
+        raise RuntimeError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return float(match.group(2)), float(match.group(3))
+
+
+def bench_training(epochs: int, repeat: int, workdir: Path) -> list[list[str]]:
+    base = ["--epochs", str(epochs), "--log-every", "1000"]
+    modes = [
+        ("no checkpointing", {}, []),
+        ("sync, default interval", {"TRAIN_CHECKPOINT_URI": ""}, []),
+        ("async, default interval", {"TRAIN_CHECKPOINT_URI": ""}, ["--async-checkpoint"]),
+    ]
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in modes}
+    # Interleave the modes so that load from other processes on the machine hits them alike.
+    for _ in range(repeat):
+        for name, env, extra in modes:
+            run_env = dict(env)
+            if "TRAIN_CHECKPOINT_URI" in run_env:
+                run_env["TRAIN_CHECKPOINT_URI"] = str(workdir / f"train-{uuid.uuid4().hex[:8]}")
+            results[name].append(run_trainer(run_env, base + extra))
+    baseline = statistics.median(t for t, _ in results["no checkpointing"])
+    rows = []
+    for name, _, _ in modes:
+        train = statistics.median(t for t, _ in results[name])
+        blocked = statistics.median(c for _, c in results[name])
+        overhead = 100.0 * (train - baseline) / baseline
+        rows.append([name, f"{train:.2f}", f"{overhead:+.1f}%", f"{blocked:.3f}", f"{100.0 * blocked / train:.1f}%"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=int, default=160, help="size of the state dict (default 160 MB)")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per number; the median is shown")
+    parser.add_argument("--epochs", type=int, default=30, help="trainer epochs for the overhead runs (default 30)")
+    parser.add_argument("--skip-s3", action="store_true", help="no S3 (moto) measurements")
+    parser.add_argument("--skip-train", action="store_true", help="no training-overhead measurements")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
+    try:
+        state = make_state(args.size_mb)
+        rows = bench_io("file", f"file://{workdir}/ckpt", state, args.repeat)
+        if not args.skip_s3:
+            server, _ = start_moto()
+            import boto3
+
+            bucket = f"bench-{uuid.uuid4().hex[:8]}"
+            boto3.client("s3").create_bucket(Bucket=bucket)
+            try:
+                rows += bench_io("s3 (moto)", f"s3://{bucket}/ckpt", state, args.repeat)
+            finally:
+                server.stop()  # type: ignore[attr-defined]
+        print()
+        print(f"Checkpoint I/O, single process, median of {args.repeat} (MB = 1e6 bytes)")
+        header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw"]
+        print(table(header, [r.cells() for r in rows]))
+        print("ours = save_checkpoint/load_checkpoint (torch.save/load + RNG file + commit marker);")
+        print("raw = the same bytes written (fsync + rename on disk) or read, no serialisation.")
+        if not args.skip_train:
+            del state
+            print()
+            print(
+                f"Example trainer, 2 gloo ranks, {args.epochs} epochs, checkpoint every 50 steps (default), "
+                f"median of {args.repeat}"
+            )
+            header = ["mode", "train s", "vs none", "blocked in save s", "blocked share"]
+            print(table(header, bench_training(args.epochs, args.repeat, workdir)))
+            print("train s = the training loop (periodic saves included, the final save not);")
+            print("blocked = time the training loop spent inside save_checkpoint.")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
