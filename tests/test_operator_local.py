@@ -29,10 +29,12 @@ def _wait_for_group(state_dir: Path, since: float, timeout: float = 60.0) -> str
     raise AssertionError("no group started")
 
 
-def test_2x2_all_ranks_see_world_size_4_and_all_reduce(run_dag, tiny_script):
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_2x2_all_ranks_see_world_size_4_and_all_reduce(run_dag, tiny_script, deferrable):
     result = run_dag(
         f"""
-        DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=2)
+        DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=2,
+                                    deferrable={deferrable})
         """
     )
     assert result.state == "success", result.log[-3000:]
@@ -86,11 +88,13 @@ def test_unmodified_torchrun_script_uses_only_standard_variables(run_dag, tmp_pa
     assert result.log.count("PLAIN-OK 1 2") == 2
 
 
-def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_script):
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_script, deferrable):
     result = run_dag(
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=2, retries=0,
+            deferrable={deferrable},
             env={{"FAIL_RANK": "3", "FAIL_STEP": "2", "STEPS": "200"}},
         )
         """
@@ -103,11 +107,13 @@ def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_scri
     assert group_processes(group_id) == []
 
 
-def test_rank_killed_by_sigkill_names_the_signal(run_dag, tiny_script):
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_rank_killed_by_sigkill_names_the_signal(run_dag, tiny_script, deferrable):
     result = run_dag(
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=1, retries=0,
+            deferrable={deferrable},
             env={{"FAIL_RANK": "0", "FAIL_MODE": "kill", "STEPS": "200"}},
         )
         """
@@ -118,11 +124,13 @@ def test_rank_killed_by_sigkill_names_the_signal(run_dag, tiny_script):
     assert group_processes(group_id) == []
 
 
-def test_execution_timeout_leaves_nothing_running(run_dag, tiny_script):
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_execution_timeout_leaves_nothing_running(run_dag, tiny_script, deferrable):
     result = run_dag(
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=1, retries=0,
+            deferrable={deferrable},
             env={{"STEPS": "100000", "STEP_SECONDS": "0.1"}}, execution_timeout=timedelta(seconds=12),
         )
         """,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from airflow.sdk import BaseOperator, BaseOperatorLink, Context, conf
+from airflow.sdk import BaseHook, BaseOperator, BaseOperatorLink, Context, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 __all__ = [
     "AirflowException",
     "AirflowFailException",
     "AirflowSkipException",
+    "BaseHook",
     "BaseOperator",
     "BaseOperatorLink",
     "Context",

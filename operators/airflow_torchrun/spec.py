@@ -36,6 +36,15 @@ RESERVED_ENV = frozenset(
         "AIRFLOW_TORCHRUN_NODE_RANK",
     }
 )
+# Variables of the rank contract that come from operator arguments.
+CONTRACT_ENV = {
+    "TRAIN_CHECKPOINT_URI": "checkpoint_uri",
+    "TRAIN_RESUME_FROM": "resume",
+    "TRAIN_CHECKPOINT_KEEP_LAST": "keep_last",
+    "TRAIN_SHARD_MANIFEST": "shard_manifest",
+    "MLFLOW_RUN_ID": "track",
+    "MLFLOW_TRACKING_URI": "mlflow_tracking_uri",
+}
 
 
 def is_templated(value: object) -> bool:
@@ -157,6 +166,11 @@ class GroupSpec:
                     problems.append(
                         f"env: {key} is set by torchrun/airflow-torchrun for every rank and cannot "
                         "be overridden; remove it from env"
+                    )
+                    continue
+                if key in CONTRACT_ENV:
+                    problems.append(
+                        f"env: {key} comes from the operator argument {CONTRACT_ENV[key]}=...; set that instead"
                     )
                     continue
                 env_map[key] = str(value)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.errors import TorchrunError
+from airflow_torchrun.state import state_dir
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -39,14 +40,6 @@ DEFAULT_CHECK_TIMEOUT = 5.0
 
 class TrackingUnreachableError(TorchrunError):
     """The MLflow tracking server (or store) cannot be reached or used."""
-
-
-def state_dir() -> Path:
-    """The project's local state directory: ``[torchrun] state_dir`` (as for the local backend)."""
-    from airflow_torchrun.compat import conf
-
-    configured = conf.get("torchrun", "state_dir", fallback=None) or os.environ.get("AIRFLOW_TORCHRUN_STATE_DIR")
-    return Path(configured) if configured else Path.home() / ".airflow-torchrun"
 
 
 def default_tracking_uri() -> str:

@@ -21,14 +21,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from airflow_torchrun import diagnosis
 from airflow_torchrun.backends.base import FailureReport, GroupHandle
 from airflow_torchrun.backends.procs import group_pids, stop_group
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.state import state_dir as default_state_dir
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
 from airflow_torchrun.wiring import GroupIdentity, GroupPlan, plan
 
@@ -47,7 +48,7 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None) -> None:
-        self.state_dir = Path(state_dir or default_state_dir())
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self._log_offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
 
@@ -223,12 +224,6 @@ class LocalBackend:
 
     def running_pids(self, handle: GroupHandle) -> list[int]:
         return group_pids(handle.group_id)
-
-
-def default_state_dir() -> Path:
-    """``[torchrun] state_dir``, else ``$AIRFLOW_TORCHRUN_STATE_DIR``, else ``~/.airflow-torchrun``."""
-    configured = os.environ.get("AIRFLOW__TORCHRUN__STATE_DIR") or os.environ.get("AIRFLOW_TORCHRUN_STATE_DIR")
-    return Path(configured) if configured else Path.home() / ".airflow-torchrun"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_torchrun.compat import AirflowFailException, BaseOperator, conf
+from airflow_torchrun.compat import AirflowFailException, BaseOperator
 from airflow_torchrun.sharding import (
     DatasetError,
     check_request,
@@ -17,6 +15,7 @@ from airflow_torchrun.sharding import (
     shard_dataset,
 )
 from airflow_torchrun.spec import is_templated
+from airflow_torchrun.state import state_dir
 
 if TYPE_CHECKING:
     from airflow_torchrun.compat import Context
@@ -28,8 +27,7 @@ def default_output_root() -> str:
     The state directory is ``[torchrun] state_dir``, else ``$AIRFLOW_TORCHRUN_STATE_DIR``,
     else ``~/.airflow-torchrun`` (as for the local backend).
     """
-    state_dir = conf.get("torchrun", "state_dir", fallback=None) or os.environ.get("AIRFLOW_TORCHRUN_STATE_DIR")
-    return str(Path(state_dir or Path.home() / ".airflow-torchrun") / "shards")
+    return str(state_dir() / "shards")
 
 
 class ShardDatasetOperator(BaseOperator):

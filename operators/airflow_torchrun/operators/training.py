@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.compat import AirflowException, AirflowFailException, BaseOperator, conf
-from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.errors import InvalidSpecError, StorageError
 from airflow_torchrun.spec import (
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_STARTUP_TIMEOUT,
@@ -17,6 +18,7 @@ from airflow_torchrun.spec import (
     GroupSpec,
     is_templated,
 )
+from airflow_torchrun.state import state_dir
 from airflow_torchrun.status import GroupState, GroupStatus, group_status
 from airflow_torchrun.wiring import GroupIdentity
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend, GroupHandle
     from airflow_torchrun.compat import Context
 
+RESUME_AUTO = "auto"
+RESUME_NEVER = "never"
 PORT_RACE_RETRIES = 3
 HEARTBEAT_SECONDS = 60.0
 
@@ -55,9 +59,42 @@ class DistributedTrainingOperator(BaseOperator):
     :param threads_per_proc: ``OMP_NUM_THREADS`` per rank; by default the node's cores split
         between its ranks.
     :param poll_interval: Seconds between two looks at the group while waiting.
+    :param checkpoint_uri: Where this task's checkpoints go (``file://...``, ``s3://bucket/...``;
+        templated). Default: ``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``, shared
+        by every try of one DAG run's task, so a retry finds what the failed try saved. Ranks see it
+        as ``TRAIN_CHECKPOINT_URI``.
+    :param resume: ``"auto"`` (default): resume from the latest committed checkpoint under
+        ``checkpoint_uri``, if any; ``"never"``; or the URI of a committed checkpoint (or of a
+        checkpoint root) to warm-start from. Ranks see it as ``TRAIN_RESUME_FROM`` (empty on a
+        fresh start). Templated.
+    :param keep_last: Committed checkpoints to keep (``TRAIN_CHECKPOINT_KEEP_LAST``); the one
+        resumed from is never deleted.
+    :param aws_conn_id: Airflow connection holding S3 credentials and, in its extra,
+        ``endpoint_url``/``region_name``. Default: the standard AWS chain of the worker.
+    :param storage_options: Extra fsspec/s3fs options (win over the connection's).
+    :param shard_manifest: URI of a ``ShardDatasetOperator`` manifest (``TRAIN_SHARD_MANIFEST``),
+        e.g. ``shard.output``. Templated.
+    :param track: Create (first try) or reuse (later tries) one MLflow run for this DAG run's task
+        and give ranks ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``.
+    :param mlflow_tracking_uri: Default: ``$MLFLOW_TRACKING_URI``, else
+        ``[torchrun] mlflow_tracking_uri``, else SQLite in the state directory.
+    :param mlflow_experiment: MLflow experiment name (templated); default: the DAG id.
+    :param deferrable: Free the worker slot while the group runs: after launching, the task defers
+        to a trigger that watches the group from the triggerer, and finishes (success, or failure
+        with the same message as in sync mode) when the group is done. Defaults to
+        ``[operators] default_deferrable``.
     """
 
-    template_fields: Sequence[str] = ("script", "command", "script_args", "env")
+    template_fields: Sequence[str] = (
+        "script",
+        "command",
+        "script_args",
+        "env",
+        "checkpoint_uri",
+        "resume",
+        "shard_manifest",
+        "mlflow_experiment",
+    )
     template_fields_renderers = {"env": "json", "script_args": "py", "command": "py"}
     ui_color = "#ee4c2c"
     ui_fgcolor = "#ffffff"
@@ -79,9 +116,22 @@ class DistributedTrainingOperator(BaseOperator):
         teardown_grace: float = DEFAULT_TEARDOWN_GRACE,
         threads_per_proc: int | None = None,
         poll_interval: float = 0.25,
+        deferrable: bool | None = None,
+        checkpoint_uri: str | None = None,
+        resume: str = RESUME_AUTO,
+        keep_last: int = 3,
+        aws_conn_id: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        shard_manifest: str | None = None,
+        track: bool = True,
+        mlflow_tracking_uri: str | None = None,
+        mlflow_experiment: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if deferrable is None:
+            deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
+        self.deferrable = bool(deferrable)
         self.script = self._resolve_script(script)
         self.command = list(command) if command is not None else None
         self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
@@ -98,11 +148,22 @@ class DistributedTrainingOperator(BaseOperator):
         if not isinstance(poll_interval, int | float) or poll_interval <= 0:
             raise InvalidSpecError([f"poll_interval must be a positive number, got {poll_interval!r}"], self._where)
         self.poll_interval = float(poll_interval)
+        self.checkpoint_uri = checkpoint_uri
+        self.resume = resume
+        self.keep_last = keep_last
+        self.aws_conn_id = aws_conn_id
+        self.storage_options = dict(storage_options or {})
+        self.shard_manifest = shard_manifest
+        self.track = track
+        self.mlflow_tracking_uri = mlflow_tracking_uri
+        self.mlflow_experiment = mlflow_experiment
         self._handle: GroupHandle | None = None
         self._backend_obj: Backend | None = None
         self._killed = False
+        self._mlflow_run_id: str | None = None
         # Parse time: everything that is not a template is checked now.
         self._spec(allow_templates=True)
+        self._check_checkpoint_args()
 
     # -- spec -------------------------------------------------------------------------------
     @property
@@ -153,16 +214,136 @@ class DistributedTrainingOperator(BaseOperator):
             self._backend_obj = get_backend(self.backend, **options)
         return self._backend_obj
 
+    def _check_checkpoint_args(self) -> None:
+        from airflow_torchrun.checkpoint import parse_uri
+
+        problems = []
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
+            problems.append(f"keep_last must be a whole number >= 1, got {self.keep_last!r}")
+        for name in ("checkpoint_uri", "resume"):
+            value = getattr(self, name)
+            if value is None or is_templated(value) or value in (RESUME_AUTO, RESUME_NEVER):
+                continue
+            if not isinstance(value, str):
+                problems.append(f"{name} must be a string, got {value!r}")
+                continue
+            try:
+                parse_uri(value)
+            except StorageError as exc:
+                problems.append(f"{name}: {exc}")
+        if problems:
+            raise InvalidSpecError(problems, self._where)
+
+    def default_checkpoint_uri(self, context: Context) -> str:
+        """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run."""
+        base = conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
+        ti = context["ti"]
+        task = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}-{ti.map_index}"
+        run = re.sub(r"[^A-Za-z0-9._=-]+", "_", ti.run_id)
+        return f"{base.rstrip('/')}/{ti.dag_id}/{run}/{task}"
+
+    def _storage_options(self) -> dict[str, Any]:
+        from airflow_torchrun.checkpoint import storage_options_from_aws_connection
+
+        options: dict[str, Any] = {}
+        if self.aws_conn_id:
+            from airflow_torchrun.compat import BaseHook
+
+            connection = BaseHook.get_connection(self.aws_conn_id)
+            options = storage_options_from_aws_connection(
+                connection.login, connection.password, connection.extra_dejson
+            )
+        return {**options, **self.storage_options}
+
     def contract_env(self, context: Context) -> dict[str, str]:
-        """Variables the operator adds to what every rank sees (beyond torchrun's own)."""
-        return {}
+        """What the operator adds to every rank's environment (beyond torchrun's own variables).
+
+        Checkpoints: ``TRAIN_CHECKPOINT_URI``, ``TRAIN_RESUME_FROM`` (checked before any rank
+        starts: a bad URI, missing bucket or wrong credentials fail here); MLflow:
+        ``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``; data: ``TRAIN_SHARD_MANIFEST``. Secrets travel
+        only in the ranks' environment, never in logs, XCom or rendered fields.
+        """
+        from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume, storage_env
+
+        ti = context["ti"]
+        env: dict[str, str] = {}
+        uri = self.checkpoint_uri or self.default_checkpoint_uri(context)
+        self.checkpoint_uri = uri
+        options = self._storage_options()
+        store = CheckpointStore(uri, options)
+        store.check_access(write=True)
+        ref = resolve_resume(uri, self.resume, options)
+        if ref is None:
+            self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
+        else:
+            self.log.info("Checkpoints: %s; resuming from %s (step %d)", uri, ref.uri, ref.step)
+        ti.xcom_push(key="resumed_from", value={"uri": ref.uri, "step": ref.step} if ref else None)
+        env.update(storage_env(options))
+        env.update(
+            {
+                "TRAIN_CHECKPOINT_URI": store.uri,
+                "TRAIN_RESUME_FROM": ref.uri if ref else "",
+                "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
+            }
+        )
+        if self.shard_manifest:
+            env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
+        if self.track:
+            from airflow_torchrun.tracking import check_tracking_uri, ensure_run, rank_env, resolve_tracking_uri
+
+            tracking_uri = resolve_tracking_uri(self.mlflow_tracking_uri)
+            check_tracking_uri(tracking_uri)
+            self._mlflow_run_id = ensure_run(context, self.mlflow_experiment, tracking_uri)
+            ti.xcom_push(key="mlflow_run_id", value=self._mlflow_run_id)
+            env.update(rank_env(self._mlflow_run_id, tracking_uri))
+        return env
 
     # -- running ----------------------------------------------------------------------------
-    def execute(self, context: Context) -> dict[str, Any]:
+    def execute(self, context: Context) -> dict[str, Any] | None:
         try:
             spec = self._spec()
         except InvalidSpecError as exc:
             raise AirflowFailException(str(exc)) from exc
+        backend = self._get_backend()
+        try:
+            extra_env = self.contract_env(context)
+        except (StorageError, InvalidSpecError) as exc:
+            # Nothing was launched: wrong credentials, a missing bucket or a bad URI need a fix, not a retry.
+            raise AirflowFailException(f"{self._where}: {exc}") from exc
+        for attempt in range(1, PORT_RACE_RETRIES + 1):
+            handle = self._launch(context, spec, backend, extra_env)
+            if self.deferrable:
+                self._defer_to_trigger(handle, attempt)
+            try:
+                status = self._wait(backend, handle)
+            finally:
+                # On success this only confirms nothing is left; on any error it stops the group.
+                backend.teardown(handle)
+                self._flush_logs(backend, handle)
+            if self._port_race(backend, handle, status, attempt):
+                continue
+            return self._finish(context, spec, backend, handle, status)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def execute_complete(self, context: Context, event: dict[str, Any], attempt: int = 1) -> dict[str, Any] | None:
+        """Re-entry after the trigger fired: rebuild everything from the event, then finish as sync mode does."""
+        from airflow_torchrun.triggers import GroupEvent
+
+        spec = self._spec()
+        group_event = GroupEvent.from_payload(event)
+        handle = group_event.handle
+        backend = self._get_backend()
+        self._handle = handle
+        status = group_event.group_status()
+        self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
+        backend.teardown(handle)
+        self._flush_logs(backend, handle)
+        if self._port_race(backend, handle, status, attempt):
+            handle = self._launch(context, spec, backend, self.contract_env(context))
+            self._defer_to_trigger(handle, attempt + 1)
+        return self._finish(context, spec, backend, handle, status)
+
+    def _launch(self, context: Context, spec: GroupSpec, backend: Backend, extra_env: Mapping[str, str]) -> GroupHandle:
         ti = context["ti"]
         identity = GroupIdentity(
             dag_id=ti.dag_id,
@@ -171,52 +352,68 @@ class DistributedTrainingOperator(BaseOperator):
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None else -1,
         )
-        backend = self._get_backend()
-        extra_env = self.contract_env(context)
-        started = time.monotonic()
-        for attempt in range(1, PORT_RACE_RETRIES + 1):
-            plan = backend.plan(spec, identity, extra_env)
-            handle = backend.launch(plan, watch_caller=True)
-            self._handle = handle
-            # Push now so that on error (or a dead worker) the group can still be found.
-            ti.xcom_push(key="group", value=handle.to_dict())
-            self.log.info(
-                "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s",
-                handle.group_id,
-                backend.name,
-                spec.num_nodes,
-                spec.nproc_per_node,
-                spec.world_size,
-                plan.master_addr,
-                plan.master_port,
-            )
-            for path in backend.log_locations(handle):
-                self.log.info("Group %s log: %s", handle.group_id, path)
-            try:
-                status = self._wait(backend, handle)
-            finally:
-                # On success this only confirms nothing is left; on any error it stops the group.
-                backend.teardown(handle)
-                self._flush_logs(backend, handle)
-            if status.state is GroupState.SUCCEEDED:
-                break
-            port_in_use = getattr(backend, "port_in_use", None)
-            if callable(port_in_use) and port_in_use(handle) and attempt < PORT_RACE_RETRIES:
-                self.log.warning(
-                    "Group %s: rendezvous port %s was taken by another process; relaunching on a new port",
-                    handle.group_id,
-                    plan.master_port,
-                )
-                continue
+        plan = backend.plan(spec, identity, extra_env)
+        # In deferrable mode this process exits while the group runs: the group must not follow it.
+        handle = backend.launch(plan, watch_caller=not self.deferrable)
+        self._handle = handle
+        # Push now so that on error (or a dead worker) the group can still be found.
+        ti.xcom_push(key="group", value=handle.to_dict())
+        self.log.info(
+            "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s",
+            handle.group_id,
+            backend.name,
+            spec.num_nodes,
+            spec.nproc_per_node,
+            spec.world_size,
+            plan.master_addr,
+            plan.master_port,
+        )
+        for path in backend.log_locations(handle):
+            self.log.info("Group %s log: %s", handle.group_id, path)
+        return handle
+
+    def _defer_to_trigger(self, handle: GroupHandle, attempt: int) -> None:
+        from airflow_torchrun.triggers import GroupTrigger
+
+        self.log.info("Group %s: deferring; the triggerer watches it from now on", handle.group_id)
+        self.defer(
+            trigger=GroupTrigger(handle=handle.to_dict(), poll_interval=max(self.poll_interval, 1.0)),
+            method_name="execute_complete",
+            kwargs={"attempt": attempt},
+        )
+
+    def _port_race(self, backend: Backend, handle: GroupHandle, status: GroupStatus, attempt: int) -> bool:
+        """Node 0 lost its rendezvous port to another process: worth one more launch."""
+        if status.state is GroupState.SUCCEEDED or attempt >= PORT_RACE_RETRIES:
+            return False
+        port_in_use = getattr(backend, "port_in_use", None)
+        if not (callable(port_in_use) and port_in_use(handle)):
+            return False
+        self.log.warning(
+            "Group %s: its rendezvous port was taken by another process; relaunching on a new port",
+            handle.group_id,
+        )
+        return True
+
+    def _finish(
+        self, context: Context, spec: GroupSpec, backend: Backend, handle: GroupHandle, status: GroupStatus
+    ) -> dict[str, Any]:
+        """Succeed with the group's summary, or fail with the first failing rank's story."""
+        if status.state is not GroupState.SUCCEEDED:
             report = backend.explain(handle, status)
             self.log.error("%s", report.message)
+            self._end_tracking(succeeded=False)
             if not report.retryable:
                 raise AirflowFailException(f"{report.message}\n(A retry cannot fix this; not retrying.)")
             raise AirflowException(report.message)
-
-        wall = time.monotonic() - started
-        self.log.info("Group %s succeeded: every node exited 0 in %.1fs", handle.group_id, wall)
+        wall = time.time() - handle.launched_at
+        self.log.info("Group %s succeeded: every node exited 0, %.1fs after launch", handle.group_id, wall)
+        self._end_tracking(succeeded=True)
+        final = self._final_checkpoint()
         return {
+            "checkpoint_uri": self.checkpoint_uri,
+            "final_checkpoint": final,
+            "mlflow_run_id": self._mlflow_run_id,
             "group_id": handle.group_id,
             "backend": backend.name,
             "world_size": spec.world_size,
@@ -227,6 +424,24 @@ class DistributedTrainingOperator(BaseOperator):
             "log_dir": handle.location,
             "logs": backend.log_locations(handle),
         }
+
+    def _final_checkpoint(self) -> str | None:
+        """The newest committed checkpoint after the group succeeded (None if the script saved none)."""
+        from airflow_torchrun.checkpoint import CheckpointStore
+
+        if not self.checkpoint_uri:
+            return None
+        ref = CheckpointStore(self.checkpoint_uri, self._storage_options()).latest()
+        if ref is None:
+            return None
+        self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
+        return ref.uri
+
+    def _end_tracking(self, *, succeeded: bool) -> None:
+        if self._mlflow_run_id:
+            from airflow_torchrun.tracking import finish_run
+
+            finish_run(self._mlflow_run_id, succeeded=succeeded, tracking_uri=self.mlflow_tracking_uri)
 
     def _wait(self, backend: Backend, handle: GroupHandle) -> GroupStatus:
         last_heartbeat = time.monotonic()
