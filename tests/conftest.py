@@ -99,6 +99,12 @@ class DagResult:
     run_id: str
     dag_id: str
 
+    def node_logs(self, task_id: str) -> str:
+        """Every node log of the task's last group (what its ranks printed)."""
+        handle = self.xcom(task_id, key="group") or {}
+        group_dir = Path(handle.get("location", "/nonexistent"))
+        return "\n".join(p.read_text() for p in sorted(group_dir.glob("node-*/node.log")))
+
     def xcom(self, task_id: str, key: str = "return_value") -> Any:
         from airflow.models.xcom import XComModel
         from airflow.utils.session import create_session
@@ -110,11 +116,11 @@ class DagResult:
             return None if row is None else XComModel.deserialize_value(row)
 
 
-@pytest.fixture
-def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Callable[..., DagResult]]:
-    """Write a DAG file into the dags folder, import it, run it with ``dag.test()``.
+def make_runner(capfd: pytest.CaptureFixture[str] | None) -> tuple[Callable[..., DagResult], Callable[[], None]]:
+    """A DAG runner and its cleanup: write a DAG file into the dags folder, import it, ``dag.test()`` it.
 
-    ``body`` is the code inside ``with DAG(...) as dag:``; the DAG id is made unique per call.
+    ``body`` is the code inside ``with DAG(...) as dag:``; the DAG id is made unique per call. With
+    ``capfd`` the result carries everything printed (the task log); without, ``log`` is empty.
     """
     written: list[Path] = []
 
@@ -136,25 +142,31 @@ def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Cal
         assert spec and spec.loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        capfd.readouterr()
+        if capfd is not None:
+            capfd.readouterr()
         dr = module.dag.test(run_conf=run_conf)
-        out, err = capfd.readouterr()
+        out, err = capfd.readouterr() if capfd is not None else ("", "")
         sys.stdout.write(out[-20000:])
-        tis = {
-            ti.task_id: str(ti.state.value if hasattr(ti.state, "value") else ti.state)
-            for ti in dr.get_task_instances()
-        }
-        return DagResult(
-            state=str(dr.state.value if hasattr(dr.state, "value") else dr.state),
-            task_states=tis,
-            log=out + err,
-            run_id=dr.run_id,
-            dag_id=dag_id,
-        )
+        tis = {ti.task_id: _state(ti.state) for ti in dr.get_task_instances()}
+        return DagResult(state=_state(dr.state), task_states=tis, log=out + err, run_id=dr.run_id, dag_id=dag_id)
 
+    def cleanup() -> None:
+        for path in written:
+            path.unlink(missing_ok=True)
+
+    return run, cleanup
+
+
+def _state(state: object) -> str:
+    return str(getattr(state, "value", state))
+
+
+@pytest.fixture
+def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Callable[..., DagResult]]:
+    """Run a DAG through ``dag.test()``; see :func:`make_runner`."""
+    run, cleanup = make_runner(capfd)
     yield run
-    for path in written:
-        path.unlink(missing_ok=True)
+    cleanup()
 
 
 def group_processes(group_id: str) -> list[int]:
