@@ -90,7 +90,7 @@ def test_round_trip_restores_state_step_and_rng(location: Location, monkeypatch:
     assert store.latest() == CheckpointRef(uri, 7)
     marker = store.read_marker(7)
     assert (marker["format"], marker["world_size"], marker["epoch"]) == ("torch", 1, 3)
-    assert set(marker["files"]) == {"state.pt", "rng.pt"}
+    assert set(marker["files"]) == {"state.pt"}  # with every rank's RNG states inside
 
     assert load_checkpoint() is None  # fresh start: TRAIN_RESUME_FROM unset
     assert resume_step() == 0
@@ -144,7 +144,7 @@ def test_a_torn_leftover_is_replaced(tmp_path: Path, clean_env: Any) -> None:
     store = CheckpointStore(str(tmp_path / "ckpt"))
     assert store.latest() is None
     save_checkpoint({"x": torch.ones(1)}, 4, uri=str(tmp_path / "ckpt"))
-    assert set(store.read_marker(4)["files"]) == {"state.pt", "rng.pt"}
+    assert set(store.read_marker(4)["files"]) == {"state.pt"}
     assert not (torn / "junk-from-a-dead-try.bin").exists()
 
 
@@ -229,7 +229,7 @@ RANKS_SCRIPT = textwrap.dedent(
     elif scenario == "killed":
         save_checkpoint({"w": torch.ones(8)}, 1)
         if rank == 1:
-            state_file = worker_checkpoint.CheckpointStore(root).step_path(2) + "/rng.pt"
+            state_file = worker_checkpoint.CheckpointStore(root).step_path(2) + "/state.pt"
 
             def die_inside_save(self):
                 # Die in the middle of save_checkpoint(step 2), once rank 0 has written its files.
@@ -287,6 +287,8 @@ def test_two_gloo_ranks_round_trip(location: Location, tmp_path: Path) -> None:
     assert (dcp_marker["format"], dcp_marker["world_size"]) == ("dcp", 2)
     assert any(name.startswith("dcp/") and name.endswith(".distcp") for name in dcp_marker["files"])
     assert "dcp/.metadata" in dcp_marker["files"]
+    assert "rng.pt" in dcp_marker["files"]
+    assert set(torch_marker["files"]) == {"state.pt"}
     for result in ranks:
         # Rank 0's state is the one saved, and every rank reads it back.
         assert result["loaded5"] == {"w": [0.0] * 4, "n": 5}

@@ -2,8 +2,8 @@
 
 Layout under a checkpoint URI (``file://`` or a plain local path by default, ``s3://`` through s3fs)::
 
-    <uri>/step-00000120/state.pt      (what the ranks wrote: any files, any depth)
-    <uri>/step-00000120/rng.pt
+    <uri>/step-00000120/state.pt      (what the ranks wrote: any files, any depth; see
+                                       airflow_torchrun.worker.checkpoint for what save_checkpoint writes)
     <uri>/step-00000120/COMMITTED     (JSON: step, time, world size, files and sizes; written last)
 
 A step directory without ``COMMITTED`` is *torn* (a writer died, or is still writing): it is never
@@ -349,14 +349,17 @@ class CheckpointStore:
                 files[rel] = int(info.get("size") or 0)
         return dict(sorted(files.items()))
 
-    def commit(self, step: int, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
+    def commit(
+        self, step: int, meta: Mapping[str, Any] | None = None, *, files: Mapping[str, int] | None = None
+    ) -> CheckpointRef:
         """Write the commit marker of ``step``: call it only once every file of the step is written.
 
-        The marker records the step, the time, the files with their sizes and ``meta`` (world
-        size, format...). It is written in one piece (a rename locally, a single PUT on S3), so a
-        reader sees either no marker or a complete one.
+        The marker records the step, the time, the files with their sizes (``files``, listed from
+        the step directory when not given) and ``meta`` (world size, format...). It is written in
+        one piece (a rename locally, a single PUT on S3), so a reader sees either no marker or a
+        complete one.
         """
-        files = self.list_files(step)
+        files = dict(files) if files is not None else self.list_files(step)
         if not files:
             raise StorageError(f"refusing to commit {self.step_uri(step)}: the step directory holds no files")
         marker: dict[str, Any] = dict(meta or {})

@@ -24,8 +24,8 @@ Typical use in a torchrun script::
         if step % every == 0:
             save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
 
-Every rank calls :func:`save_checkpoint`. Rank 0 writes the state (one ``torch.save`` file), the RNG
-states of every rank are gathered into one small file, all ranks meet at a barrier, rank 0 writes
+Every rank calls :func:`save_checkpoint`. Rank 0 writes the state and the RNG states of every rank
+(gathered to it) as one ``torch.save`` file, all ranks meet at a barrier, rank 0 writes
 the commit marker and prunes old checkpoints, and a final barrier releases everyone. A rank that
 dies on the way leaves the step uncommitted: it is never resumed. State dicts holding DTensor or
 ShardedTensor values (or ``sharded=True``) go through ``torch.distributed.checkpoint`` instead:
@@ -209,7 +209,8 @@ def _capture_rng() -> dict[str, Any]:
 
 
 def _restore_rng(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    # The states may have been loaded with a map_location that put them on a GPU.
+    torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
@@ -222,14 +223,14 @@ def _restore_rng(state: Mapping[str, Any]) -> None:
             np.random.set_state(
                 (
                     saved["name"],
-                    saved["keys"].numpy().astype("uint32"),
+                    saved["keys"].cpu().numpy().astype("uint32"),
                     saved["pos"],
                     saved["has_gauss"],
                     saved["cached_gaussian"],
                 )
             )
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"], device=torch.cuda.current_device())
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device=torch.cuda.current_device())
 
 
 # -- I/O --------------------------------------------------------------------------------------
@@ -425,12 +426,12 @@ class _SaveJob:
     started: float
 
     def run_torch(self, payload: dict[str, Any] | None) -> str:
-        """Rank 0 writes the state and every rank's RNG; commit once all ranks got here."""
+        """Rank 0 writes the state with every rank's RNG in one file; commit once all ranks got here."""
         step_path = self.store.step_path(self.step)
         if self.comm.rank == 0:
             _clear_step(self.store, self.step)
-            _write_torch(self.store, f"{step_path}/{STATE_FILE}", payload)
-            _write_torch(self.store, f"{step_path}/{RNG_FILE}", self.rng_states)
+            # One file, one fsync: the RNG states are small and every rank reads the state anyway.
+            _write_torch(self.store, f"{step_path}/{STATE_FILE}", {**(payload or {}), "rng": self.rng_states})
         self.comm.barrier()
         if self.comm.rank == 0:
             self._commit_and_prune(FORMAT_TORCH)
@@ -457,8 +458,9 @@ class _SaveJob:
 
     def _commit_and_prune(self, fmt: str) -> None:
         store = self.store
-        store.commit(self.step, {**self.meta, "format": fmt, "world_size": self.comm.world_size})
-        size_mb = store.read_marker(self.step).get("total_bytes", 0) / 1e6
+        files = store.list_files(self.step)
+        store.commit(self.step, {**self.meta, "format": fmt, "world_size": self.comm.world_size}, files=files)
+        size_mb = sum(files.values()) / 1e6
         log.info(
             "Checkpoint %s committed: %.1f MB in %.2fs",
             store.step_uri(self.step),
@@ -519,24 +521,32 @@ def load_checkpoint(
         reader = FsspecReader(f"{ref.uri}/{DCP_DIR}", **store.storage_options)
         dcp.load(into, storage_reader=reader, process_group=group, no_dist=group is None)
         state = into
+        rng_states = _read_rng_file(store, f"{step_path}/{RNG_FILE}") if restore_rng else None
     elif fmt == FORMAT_TORCH:
         payload = _read_torch(store, f"{step_path}/{STATE_FILE}", map_location=map_location, weights_only=weights_only)
         if not isinstance(payload, dict) or "state" not in payload:
             raise StorageError(f"{ref.uri}/{STATE_FILE} was not written by save_checkpoint")
         state = payload["state"]
+        rng_states = payload.get("rng")
     else:
         raise StorageError(f"{ref.uri} has the unknown checkpoint format {fmt!r}; was it written by a newer version?")
     if restore_rng:
-        _restore_rank_rng(store, step_path, ref.uri)
+        _restore_rank_rng(rng_states, ref.uri)
     log.info("Loaded checkpoint %s (step %d) in %.2fs", ref.uri, ref.step, time.monotonic() - started)
     return state
 
 
-def _restore_rank_rng(store: CheckpointStore, step_path: str, uri: str) -> None:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+def _read_rng_file(store: CheckpointStore, path: str) -> list[Any] | None:
     try:
-        states = _read_torch(store, f"{step_path}/{RNG_FILE}", map_location="cpu", weights_only=True)
+        states = _read_torch(store, path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
+        return None
+    return states if isinstance(states, list) else None
+
+
+def _restore_rank_rng(states: list[Any] | None, uri: str) -> None:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
+    if not states:
         log.warning("Checkpoint %s has no RNG states; random draws will not match the uninterrupted run", uri)
         return
     if rank >= len(states):
