@@ -5,6 +5,10 @@ exactly the Kubernetes objects that task would create (its Indexed Job and headl
 review and for ``kubectl apply --dry-run=server -f -``. Nothing is sent to a cluster and no
 metadata database is needed; the task's templated fields are rendered with a small context
 (``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``try_number``, ``map_index``).
+
+The variables the operator resolves at launch with I/O (checkpoint location and resume point,
+MLflow run) come from the operator's ``contract_env_preview(context)`` when it has one, which
+must not do I/O; otherwise they are left out and a comment in the output says so.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Print, as multi-document YAML, the Indexed Job and headless Service that a "
             "DistributedTrainingOperator task with backend='kubernetes' would create for the given run "
-            "and try. Nothing is sent to a cluster. The Service's ownerReference to the Job is added at "
-            "launch (it needs the Job's uid), so it is not in the output. Review the output, or check it "
-            "with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
+            "and try. Nothing is sent to a cluster. Left out: the Service's ownerReference to the Job "
+            "(it needs the Job's uid) and, unless the operator offers contract_env_preview(), the "
+            "variables it resolves at launch (checkpoint, resume point, MLflow run). Review the output, "
+            "or check it with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
         ),
     )
     render.add_argument("--dag-file", required=True, type=Path, help="the Python file that defines the DAG")
@@ -140,10 +145,21 @@ def render_task(args: argparse.Namespace) -> str:
             f"task {task.dag_id}.{task.task_id} uses backend={spec.backend!r}; render prints the objects of "
             "backend='kubernetes' tasks only"
         )
-    try:
-        extra_env = task.contract_env(context)
-    except Exception as exc:
-        raise CliError(f"the operator's contract variables need more than render can offer: {exc}") from exc
+    # The operator's own variables (checkpoint, resume point, MLflow run) are resolved at launch,
+    # with I/O a dry run must not do; an operator may offer a side-effect-free preview of them.
+    preview = getattr(task, "contract_env_preview", None)
+    note = ""
+    if callable(preview):
+        try:
+            extra_env = dict(preview(context))
+        except Exception as exc:
+            raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
+    else:
+        extra_env = {}
+        note = (
+            "# Not shown: the variables the operator resolves at launch (TRAIN_CHECKPOINT_URI, "
+            "TRAIN_RESUME_FROM, MLflow, shard manifest).\n"
+        )
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
     backend = KubernetesBackend(namespace=args.namespace or getattr(task, "namespace", None), runtimes=catalog)
     identity = GroupIdentity(
@@ -158,6 +174,7 @@ def render_task(args: argparse.Namespace) -> str:
         f"# airflow-torchrun render: {task.dag_id}.{task.task_id}, run {args.run_id}, try {args.try_number}, "
         f"namespace {rendered.namespace}\n"
         "# At launch the Service also gets an ownerReference to the Job (it needs the Job's uid).\n"
+        f"{note}"
     )
     return header + to_yaml(rendered.objects)
 

@@ -386,13 +386,17 @@ def clear_cache() -> None:
     _variable_cache.clear()
 
 
-def _config(key: str, default: str | None = None) -> str | None:
+def _config(key: str, default: str | None = None, *, keep_empty: bool = False) -> str | None:
+    """``[torchrun] key``; an empty value means the default unless ``keep_empty``."""
     try:
         from airflow.sdk import conf
     except ImportError:  # the core without Airflow: environment only
-        return os.environ.get(f"AIRFLOW__TORCHRUN__{key.upper()}", default)
-    value = conf.get("torchrun", key, fallback=default)
-    return value if value not in (None, "") else default
+        value = os.environ.get(f"AIRFLOW__TORCHRUN__{key.upper()}")
+    else:
+        value = conf.get("torchrun", key, fallback=None)
+    if value is None or (value == "" and not keep_empty):
+        return default
+    return value
 
 
 def _yaml_load(text: str, source: str) -> object:
@@ -462,7 +466,7 @@ def load_runtimes(*, file: str | None = None, variable: str | None = None) -> Ru
     Pass ``variable=""`` to skip the Variable lookup.
     """
     path = file if file is not None else _config("runtimes_file")
-    var_name = variable if variable is not None else _config("runtimes_variable", DEFAULT_VARIABLE)
+    var_name = variable if variable is not None else _config("runtimes_variable", DEFAULT_VARIABLE, keep_empty=True)
     merged: dict[str, Runtime] = {}
     sources: list[str] = []
     if path:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 
 import pytest
 
+from airflow_torchrun.backends.base import GroupHandle
 from airflow_torchrun.backends.k8s_render import GROUP_LABEL, KUEUE_QUEUE_LABEL
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError
@@ -438,3 +440,59 @@ def test_async_observe_uses_the_async_hook_from_the_connection(
     nodes = asyncio.run(watcher.observe_async(handle))
     status = group_status(nodes, launched_at=handle.launched_at, now=time.time(), startup_timeout=60)
     assert status.state is GroupState.FAILED and "OOMKilled" in status.reason
+
+
+def test_a_trigger_rebuilds_the_backend_from_the_handle_and_sees_progress(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    _, handle = launch(backend)
+    job_name = handle.extra["job_name"]
+    fake_api.create_pods(NS, job_name)
+    fake_api.set_running(NS, job_name)
+    pod0 = fake_api.pod(NS, job_name, 0)["metadata"]["name"]
+    fake_api.add_log(pod0, "[node 0 rank 0] step 1")
+
+    stored = GroupHandle.from_dict(json.loads(json.dumps(handle.to_dict())))  # as XCom / a trigger keeps it
+    watcher = KubernetesBackend(**KubernetesBackend.options_from_handle(stored), runtimes=BUILTIN_RUNTIMES)
+    assert (watcher.namespace, watcher.config_file) == (NS, backend.config_file)
+
+    async def marks() -> tuple[object, object, object]:
+        await watcher.observe_async(stored)
+        first = await watcher.progress_mark(stored)
+        same = await watcher.progress_mark(stored)
+        fake_api.add_log(pod0, "[node 0 rank 0] step 2")
+        return first, same, await watcher.progress_mark(stored)
+
+    first, same, later = asyncio.run(marks())
+    assert first == same != later
+
+
+def test_a_fresh_backend_keeps_the_failure_for_explain_across_teardown(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend, kubeconfig
+) -> None:
+    """A deferred task's re-entry: new process, teardown first, then explain."""
+    _, handle = launch(backend)
+    job_name = handle.extra["job_name"]
+    fake_api.create_pods(NS, job_name)
+    fake_api.set_running(NS, job_name)
+    pod1 = fake_api.pod(NS, job_name, 1)["metadata"]["name"]
+    fake_api.add_log(
+        pod1, "[node 1 rank 1] Traceback (most recent call last):", "[node 1 rank 1] ValueError: bad batch"
+    )
+    fake_api.set_terminated(NS, job_name, 1, exit_code=1, reason="Error")
+    status = settle(backend, handle, lambda s: s.state.terminal)
+
+    reentry = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), runtimes=BUILTIN_RUNTIMES)
+    reentry.teardown(handle)
+    assert fake_api.pods(NS, job_name) == []
+    report = reentry.explain(handle, status)
+    assert "[node 1 rank 1] ValueError: bad batch" in report.message
+    assert "node 1 exited with code 1" in report.message
+
+
+def test_credentials_in_plain_env_are_flagged(backend: KubernetesBackend, caplog: pytest.LogCaptureFixture) -> None:
+    spec = make_spec(env={"WANDB_API_TOKEN": "t0ps3cret", "EPOCHS": "3"})
+    with caplog.at_level("WARNING", logger="airflow_torchrun.backends.kubernetes"):
+        backend.plan(spec, IDENTITY, {"AWS_SECRET_ACCESS_KEY": "k"})
+    assert "AWS_SECRET_ACCESS_KEY, WANDB_API_TOKEN look like credentials" in caplog.text
+    assert "t0ps3cret" not in caplog.text

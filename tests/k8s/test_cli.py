@@ -89,6 +89,7 @@ def test_console_script_keeps_stdout_for_yaml(dag_file: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# airflow-torchrun render: nightly.train, run manual__render, try 1")
+    assert "# Not shown: the variables the operator resolves at launch" in done.stdout
     assert list(yaml.safe_load_all(done.stdout)) == expected_objects("default", "manual__render", 1)
 
 
@@ -125,3 +126,21 @@ def test_render_with_a_runtimes_file(dag_file: Path, tmp_path: Path, capsys: pyt
         cli.main(["render", "--dag-file", str(dag_file), "--task-id", "train", "--runtimes-file", str(runtimes)]) == 1
     )
     assert "runtime 'gpu' is unknown; known runtimes: cpu" in capsys.readouterr().err
+
+
+def test_contract_variables_come_from_a_side_effect_free_preview(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "preview.py"
+    path.write_text(
+        DAG.replace(
+            "from airflow_torchrun import DistributedTrainingOperator",
+            "from airflow_torchrun import DistributedTrainingOperator as _Base\n\n"
+            "class DistributedTrainingOperator(_Base):\n"
+            "    def contract_env_preview(self, context):\n"
+            "        return {'TRAIN_CHECKPOINT_URI': f\"s3://ckpt/{context['run_id']}\"}\n",
+        )
+    )
+    assert cli.main(["render", "--dag-file", str(path), "--task-id", "train", "--run-id", "r1"]) == 0
+    out = capsys.readouterr().out
+    assert "Not shown" not in out
+    env = next(yaml.safe_load_all(out))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "TRAIN_CHECKPOINT_URI", "value": "s3://ckpt/r1"} in env

@@ -160,3 +160,11 @@ def test_defaults_of_one_runtime() -> None:
     assert parse_runtime("y", {"image": "t:1", "shm_size": None}).shm_size is None
     assert parse_runtime("z", {"image": "t:1"}).resources() == {}
     assert BUILTIN_RUNTIMES["cpu"].cpus == 2.0
+
+
+def test_an_empty_runtimes_variable_option_turns_the_variable_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", "from-variable:\n  image: t:1\n")
+    assert sorted(load_runtimes().runtimes) == ["from-variable"]
+    runtimes.clear_cache()
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__RUNTIMES_VARIABLE", "")
+    assert sorted(load_runtimes().runtimes) == ["cpu", "gpu"]

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from airflow_torchrun.backends.k8s_status import (
     needs_workloads,
     node_observations,
     parse_time,
+    pod_observation,
     preemption_reason,
 )
 from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError, TorchrunError
@@ -73,6 +75,9 @@ KUEUE_GROUP, KUEUE_VERSION, KUEUE_PLURAL = "kueue.x-k8s.io", "v1beta1", "workloa
 LOG_TAIL_LINES = 200
 # After a Foreground delete the old Job lingers until its pods are gone (their grace period).
 RECREATE_WAIT_EXTRA_SECONDS = 60.0
+
+
+_SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE_KEY|ACCESS_KEY", re.IGNORECASE)
 
 
 class TeardownError(TorchrunError):
@@ -229,6 +234,15 @@ class KubernetesBackend:
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
         """The wiring's plan with node 0's DNS name as rendezvous address. Pure."""
         runtime = self.runtime_for(spec)
+        exposed = sorted(k for k in {**extra_env, **spec.env} if _SECRET_NAME.search(k))
+        if exposed:
+            # Plain env values are part of the Job object: anyone who may read Jobs sees them.
+            log.warning(
+                "Variables %s look like credentials; they will be readable in Job %s's spec. Provide them "
+                "through the runtime's env_from_secrets (a Kubernetes Secret) or the pods' service account.",
+                ", ".join(exposed),
+                group_name(identity),
+            )
         name = group_name(identity)
         return plan(
             spec,
@@ -371,8 +385,25 @@ class KubernetesBackend:
                 "world_size": int(number(ANN_WORLD_SIZE, 0)),
                 "runtime": ann.get(ANN_RUNTIME),
                 "queue": ann.get(ANN_QUEUE),
+                # How to reach the cluster again from another process (trigger, retry).
+                "kubernetes_conn_id": self.conn_id,
+                "config_file": self.config_file,
+                "cluster_context": self.cluster_context,
+                "in_cluster": self.in_cluster,
+                "all_ranks_logs": self.all_ranks_logs,
             },
         )
+
+    @staticmethod
+    def options_from_handle(handle: GroupHandle) -> dict[str, Any]:
+        """Constructor options that reach the cluster of ``handle`` again (for a trigger, a retry):
+        ``KubernetesBackend(**KubernetesBackend.options_from_handle(handle))``."""
+        extra = handle.extra
+        options: dict[str, Any] = {"namespace": handle.location}
+        for key in ("kubernetes_conn_id", "config_file", "cluster_context", "in_cluster", "all_ranks_logs"):
+            if extra.get(key) is not None:
+                options[key] = extra[key]
+        return options
 
     # -- reattaching ------------------------------------------------------------------------
     def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> GroupHandle | None:
@@ -584,6 +615,34 @@ class KubernetesBackend:
             except ApiException as exc:
                 log.debug("Watch of %s ended: %s", selector, _api_message(exc))
 
+    async def progress_mark(self, handle: GroupHandle) -> object:
+        """Changes whenever a running node's log grows: the timestamp of each running pod's last
+        log line (the trigger's ``progress_timeout`` detects a hung collective with it)."""
+        from kubernetes_asyncio import client as async_client
+
+        state = self._state(handle)
+        running = sorted((completion_index(p), p["metadata"]["name"]) for p in state.pods if _container_running(p))
+        marks: list[tuple[int | None, str]] = []
+        hook = await self._async_hook()
+        async with hook.get_conn() as api:
+            core = async_client.CoreV1Api(api)
+            for node_rank, pod_name in running:
+                resp: Any = await core.read_namespaced_pod_log(
+                    pod_name,
+                    handle.location,
+                    container=CONTAINER,
+                    tail_lines=1,
+                    timestamps=True,
+                    _preload_content=False,
+                    _request_timeout=self.request_timeout,
+                )
+                try:
+                    text = (await resp.read()).decode("utf-8", "replace") if resp.status == 200 else ""
+                finally:
+                    resp.release()
+                marks.append((node_rank, text.split(" ", 1)[0]))
+        return tuple(marks)
+
     # -- logs -------------------------------------------------------------------------------
     def log_locations(self, handle: GroupHandle) -> list[str]:
         name, ns = self._names(handle)
@@ -728,9 +787,12 @@ class KubernetesBackend:
         message = diagnosis.failure_message(
             handle.group_id, failures, node_headline=status.reason, log_tail=tail, log_path=where
         )
-        platform = [describe_node(n) for n in failed if n.reason and n.stopped_by is None]
+        head, _, rest = message.partition("\n")
+        # The platform's view (OOMKilled, Preempted...), unless the headline already says it.
+        platform = [
+            describe_node(n) for n in failed if n.reason and n.stopped_by is None and describe_node(n) not in head
+        ]
         if platform:
-            head, _, rest = message.partition("\n")
             message = "\n".join([head, "Kubernetes reports: " + "; ".join(platform), *([rest] if rest else [])])
         retryable = all(n.retryable for n in failed) and (cause.retryable if cause else True)
         return FailureReport(message=message, retryable=retryable)
@@ -766,16 +828,15 @@ class KubernetesBackend:
                 log.warning("Could not delete Service %s/%s: %s", ns, name, _api_message(exc))
 
     def _keep_failure_logs(self, handle: GroupHandle) -> None:
+        """Read the failed pods' log tails while they still exist (a fresh backend instance, as
+        in a deferred task's re-entry, lists the pods first)."""
         from kubernetes.client.exceptions import ApiException
 
-        state = self._state(handle)
-        failed = [n.node_rank for n in state.nodes if n.phase is NodePhase.FAILED and n.stopped_by is None]
-        if not failed:
-            return
         try:
-            pods = self._pods_by_node(handle)
-            for n in failed:
-                self._log_tail(handle, n, pods.get(n))
+            for node_rank, pod in self._pods_by_node(handle).items():
+                obs = pod_observation(node_rank, pod)
+                if obs.phase is NodePhase.FAILED and obs.stopped_by is None:
+                    self._log_tail(handle, node_rank, pod)
         except ApiException as exc:  # best effort: never block a teardown on it
             log.debug("Could not keep the log tails of %s: %s", handle.group_id, _api_message(exc))
 
@@ -784,6 +845,13 @@ def _container_started(pod: Mapping[str, Any]) -> bool:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         state = cs.get("state") or {}
         if cs.get("name") == CONTAINER and ("running" in state or "terminated" in state):
+            return True
+    return False
+
+
+def _container_running(pod: Mapping[str, Any]) -> bool:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == CONTAINER and "running" in (cs.get("state") or {}):
             return True
     return False
 
