@@ -51,7 +51,7 @@ STARTUP_DEADLINE_S = 300.0
 RUN_DEADLINE_S = 240.0
 
 # Each rank joins the group and waits for the file argv[2]; then "ok" finishes, "fail" makes
-# rank 1 exit with code 7.
+# rank 1 exit with code 7 while rank 0 carries on.
 SCRIPT = textwrap.dedent(
     """
     import os, sys, time
@@ -65,8 +65,13 @@ SCRIPT = textwrap.dedent(
     print(f"rank {rank} joined, sum={int(t.item())}", flush=True)
     while not os.path.exists(sys.argv[2]):
         time.sleep(0.1)
-    if sys.argv[1] == "fail" and rank == 1:
-        sys.exit(7)
+    if sys.argv[1] == "fail":
+        if rank == 1:
+            # Leave the group first: exiting with a live gloo group intermittently ends in
+            # SIGABRT ("terminate called without an active exception") instead of the exit code.
+            dist.destroy_process_group()
+            sys.exit(7)
+        time.sleep(300)  # rank 0 stays healthy: the operator tears it down
     dist.barrier()
     dist.destroy_process_group()
     """

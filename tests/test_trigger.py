@@ -15,22 +15,28 @@ import textwrap
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from airflow._shared.module_loading import import_string  # what the triggerer resolves classpaths with
 
 from airflow_torchrun.backends.base import GroupHandle
+from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.backends.local import LocalBackend
+from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase
 from airflow_torchrun.triggers import GroupEvent, GroupEventStatus, GroupTrigger
 from airflow_torchrun.wiring import GroupIdentity
 
+from .k8s.fake_api import FakeKubeAPI
+
 # Every rank: join the group, one all_reduce, then act on argv[1]:
 #   ok      - finish at once
-#   fail    - rank 1 exits with code 7, rank 0 waits at a barrier that never completes
+#   fail    - rank 1 exits with code 7, rank 0 sleeps until torn down
 #   release - wait until the file argv[2] exists, then finish (the test decides when)
 SCRIPT = textwrap.dedent(
     """
@@ -44,8 +50,13 @@ SCRIPT = textwrap.dedent(
     dist.all_reduce(t)
     print(f"rank {rank} joined, sum={int(t.item())}", flush=True)
     mode = sys.argv[1]
-    if mode == "fail" and rank == 1:
-        sys.exit(7)
+    if mode == "fail":
+        if rank == 1:
+            # Leave the group first: exiting with a live gloo group intermittently ends in
+            # SIGABRT ("terminate called without an active exception") instead of the exit code.
+            dist.destroy_process_group()
+            sys.exit(7)
+        time.sleep(120)  # rank 0 stays healthy (no collective to fail in): torn down by the test
     if mode == "release":
         while not os.path.exists(sys.argv[2]):
             time.sleep(0.05)
@@ -241,6 +252,8 @@ def test_success(groups: Groups) -> None:
     assert event.group_id == handle.group_id
     assert event.node_exit_codes == [0, 0]
     assert event.handle == handle
+    # A supervisor records exit.json just before it exits: the re-entry's teardown waits it out.
+    groups.backend.teardown(event.handle)
     assert groups.backend.running_pids(handle) == []
 
 
@@ -315,3 +328,97 @@ def test_importing_the_trigger_loads_no_heavy_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- watching a Kubernetes group (the fake API server of tests/k8s, through the provider's hooks) --
+
+K8S_NS = "ml"
+
+
+@dataclass
+class K8sGroup:
+    fake: FakeKubeAPI
+    backend: KubernetesBackend
+    handle: GroupHandle
+
+    @property
+    def job(self) -> str:
+        return str(self.handle.extra["job_name"])
+
+    def job_deletes(self) -> list[Any]:
+        return [c for c in self.fake.calls_to("DELETE", "jobs") if c.path.endswith(f"/jobs/{self.job}")]
+
+
+@pytest.fixture
+def k8s_group(tmp_path: Path) -> Iterator[K8sGroup]:
+    fake = FakeKubeAPI().start()
+    try:
+        kubeconfig = tmp_path / "kubeconfig.yaml"
+        kubeconfig.write_text(yaml.safe_dump(fake.kubeconfig(K8S_NS)))
+        backend = KubernetesBackend(
+            namespace=K8S_NS, config_file=str(kubeconfig), watch_seconds=0.5, runtimes=BUILTIN_RUNTIMES
+        )
+        spec = GroupSpec.create(
+            num_nodes=2, nproc_per_node=1, script="/opt/trainer/train.py", backend="kubernetes", runtime="cpu"
+        )
+        plan = backend.plan(spec, GroupIdentity("trigger_test", "train", "run-k8s"), {})
+        handle = backend.launch(plan, watch_caller=False)
+        fake.create_pods(K8S_NS, str(handle.extra["job_name"]))
+        yield K8sGroup(fake, backend, handle)
+    finally:
+        fake.stop()
+
+
+def test_k8s_rank_oom_killed_names_the_node(k8s_group: K8sGroup) -> None:
+    g = k8s_group
+
+    async def scenario() -> GroupEvent:
+        watching = asyncio.create_task(first_event(GroupTrigger(g.handle.to_dict(), poll_interval=POLL)))
+        g.fake.set_running(K8S_NS, g.job)
+        await asyncio.sleep(3 * POLL)
+        g.fake.set_terminated(K8S_NS, g.job, 1, exit_code=137, reason="OOMKilled")
+        return await watching
+
+    event = asyncio.run(scenario())
+    assert event.status is GroupEventStatus.FAILED
+    assert event.failed_node == 1
+    assert "OOMKilled" in event.reason
+    assert g.job_deletes() == [], "the trigger only watches; the operator tears down"
+
+
+def test_k8s_triggerer_restart_resumes_watching(k8s_group: K8sGroup) -> None:
+    g = k8s_group
+    first = GroupTrigger(g.handle.to_dict(), poll_interval=POLL)
+
+    async def scenario() -> GroupEvent:
+        g.fake.set_running(K8S_NS, g.job)
+        watching = asyncio.create_task(first_event(first))
+        await asyncio.sleep(5 * POLL)
+        watching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await watching
+        classpath, kwargs = first.serialize()
+        resumed = asyncio.create_task(first_event(import_string(classpath)(**json.loads(json.dumps(kwargs)))))
+        await asyncio.sleep(3 * POLL)
+        g.fake.set_terminated(K8S_NS, g.job, None, exit_code=0, reason="Completed")
+        return await resumed
+
+    event = asyncio.run(scenario())
+    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.node_exit_codes == [0, 0]
+    assert g.job_deletes() == []
+    assert len(g.fake.pods(K8S_NS, g.job)) == 2
+
+
+def test_k8s_progress_timeout_then_on_kill_deletes_the_group(k8s_group: K8sGroup) -> None:
+    g = k8s_group
+    g.fake.set_running(K8S_NS, g.job)
+    pod0 = g.fake.pod(K8S_NS, g.job, 0)["metadata"]["name"]
+    g.fake.add_log(pod0, "[node 0 rank 0] step 1")
+    trigger = GroupTrigger(g.handle.to_dict(), poll_interval=POLL, progress_timeout=1.0)
+    event = asyncio.run(first_event(trigger))
+    assert event.status is GroupEventStatus.PROGRESS_TIMEOUT
+    assert g.job_deletes() == []
+    asyncio.run(trigger.on_kill())
+    assert g.job_deletes() and all(c.propagation_policy == "Foreground" for c in g.job_deletes())
+    assert g.fake.pods(K8S_NS, g.job) == []

@@ -193,12 +193,16 @@ class GroupWatch:
 def backend_for_handle(handle: GroupHandle) -> Backend:
     """The backend that launched ``handle``, rebuilt in another process (triggerer, retry).
 
-    The local backend's state directory is the handle's ``<state_dir>/groups/<group_id>``
-    location, two levels up.
+    Local: the state directory is the handle's ``<state_dir>/groups/<group_id>`` location, two
+    levels up. Kubernetes: the namespace and how to reach the cluster travel in the handle.
     """
     options: dict[str, Any] = {}
     if handle.backend == "local":
         options["state_dir"] = Path(handle.location).parent.parent
+    elif handle.backend == "kubernetes":
+        from airflow_torchrun.backends.kubernetes import KubernetesBackend
+
+        options = KubernetesBackend.options_from_handle(handle)
     return get_backend(handle.backend, **options)
 
 
