@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from airflow_torchrun.worker import ProgressLogger, load_checkpoint, resume_step, save_checkpoint, wait_for_checkpoint
+from airflow_torchrun.worker.tracking import RunLogger, StepTimer
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -66,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the data order")
     parser.add_argument("--log-every", type=int, default=20, help="progress line every N steps on rank 0")
-    parser.add_argument("--fail-at-step", type=int, default=None, help="simulate a failure when reaching this step")
+    parser.add_argument(
+        "--fail-at-step", type=int, default=None, help="simulate a failure when reaching this step (0: never)"
+    )
     parser.add_argument("--fail-rank", type=int, default=0, help="the rank that fails (default 0)")
     parser.add_argument(
         "--fail-mode", choices=("exit", "kill"), default="exit", help="exit with an error, or SIGKILL the rank"
@@ -78,8 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be 0 or more")
-    if args.fail_at_step is not None and args.fail_at_step < 1:
-        parser.error("--fail-at-step must be at least 1")
+    if args.fail_at_step is not None and args.fail_at_step < 0:
+        parser.error("--fail-at-step must be 0 (no failure) or more")
+    if args.fail_at_step == 0:
+        args.fail_at_step = None
     return args
 
 
@@ -105,6 +110,33 @@ def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
     cut = int(0.8 * len(y))
     train, test = order[:cut], order[cut:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def load_sharded_data(rank: int, world_size: int) -> TensorDataset:
+    """This rank's own rows from the sharding task's manifest (``TRAIN_SHARD_MANIFEST``)."""
+    from airflow_torchrun.worker.shards import load_shard
+
+    shard = load_shard(rank=rank, world_size=world_size)
+    x = torch.as_tensor(np.asarray(shard["x"], dtype=np.float32))
+    y = torch.as_tensor(np.asarray(shard["y"], dtype=np.int64))
+    return TensorDataset(x, y)
+
+
+class ShardSampler(torch.utils.data.Sampler[int]):
+    """The rank already holds only its own rows: a seeded shuffle per epoch, the same on every try."""
+
+    def __init__(self, size: int, num_samples: int, seed: int, rank: int) -> None:
+        self.size, self.num_samples, self.seed, self.rank, self.epoch = size, num_samples, seed, rank, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch * 1_009 + self.rank)
+        return iter(torch.randperm(self.size, generator=generator)[: self.num_samples].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -177,10 +209,21 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
 
-    train_set, test_set = load_data(args.seed)
-    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
-    )
+    _, test_set = load_data(args.seed)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] | ShardSampler
+    if os.environ.get("TRAIN_SHARD_MANIFEST"):
+        train_set = load_sharded_data(rank, world_size)
+        # Every rank must take the same number of steps: the smallest shard decides.
+        rows = torch.tensor([len(train_set)])
+        if distributed:
+            dist.all_reduce(rows, op=dist.ReduceOp.MIN)
+        sampler = ShardSampler(len(train_set), int(rows.item()), args.seed, rank)
+        log.info("Data: %d rows of this rank's shard (%s)", len(train_set), os.environ["TRAIN_SHARD_MANIFEST"])
+    else:
+        train_set, _ = load_data(args.seed)
+        sampler = DistributedSampler(
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+        )
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
@@ -227,20 +270,28 @@ def main(argv: list[str] | None = None) -> None:
         logger=log,
         rank=rank,
     )
+    tracker = RunLogger()  # rank 0 with MLFLOW_RUN_ID set logs; elsewhere every call is a no-op
+    tracker.log_params({**vars(args), "world_size": world_size, "total_steps": total_steps})
+    timer = StepTimer()
     checkpoint_time = 0.0
     started = time.monotonic()
     for epoch in range(start_step // steps_per_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        for index, (x, y) in enumerate(loader):
+        batches = iter(loader)
+        for index in range(steps_per_epoch):
+            with timer.data():
+                x, y = next(batches)
             step = epoch * steps_per_epoch + index + 1
             if step <= start_step:
                 continue  # done before the interruption; the sampler's order is the same
             maybe_fail(args, step, start_step, rank)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(x.to(device)), y.to(device))
-            loss.backward()
-            optimizer.step()
+            with timer.compute():
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(ddp(x.to(device)), y.to(device))
+                loss.backward()
+                optimizer.step()
             progress.update(step, loss=loss.item())
+            tracker.log_step(step, loss=loss.item(), samples=args.batch_size * world_size, timing=timer.lap())
             if checkpointing and args.checkpoint_every and step % args.checkpoint_every == 0 and step < total_steps:
                 tick = time.monotonic()
                 save_checkpoint(state_dict(), step, blocking=not args.async_checkpoint, meta={"epoch": epoch})
@@ -259,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
             x_test, y_test = test_set.tensors
             predicted = model(x_test.to(device)).argmax(dim=1).cpu()
             accuracy = (predicted == y_test).float().mean().item()
+        tracker.log_metrics({"test_accuracy": accuracy}, step=total_steps)
+        tracker.log_loss_curve()
+        tracker.log_model(model, input_example=test_set.tensors[0][:2].numpy(), pip_requirements=["torch"])
         if args.output:
             import fsspec
 
@@ -277,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             f"train_s={train_time:.3f} checkpoint_s={checkpoint_time:.3f}",
             flush=True,
         )
+    tracker.close()
     if distributed:
         dist.destroy_process_group()
 

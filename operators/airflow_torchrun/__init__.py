@@ -12,12 +12,24 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DistributedTrainingOperator": "airflow_torchrun.operators.training",
+    "EvaluateModelOperator": "airflow_torchrun.operators.evaluate",
+    "ShardDatasetOperator": "airflow_torchrun.operators.shard",
+    "RegisterModelOperator": "airflow_torchrun.operators.register",
 }
 
 if TYPE_CHECKING:
+    from airflow_torchrun.operators.evaluate import EvaluateModelOperator
+    from airflow_torchrun.operators.register import RegisterModelOperator
+    from airflow_torchrun.operators.shard import ShardDatasetOperator
     from airflow_torchrun.operators.training import DistributedTrainingOperator
 
-__all__ = ["DistributedTrainingOperator", "__version__"]
+__all__ = [
+    "DistributedTrainingOperator",
+    "EvaluateModelOperator",
+    "RegisterModelOperator",
+    "ShardDatasetOperator",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -48,8 +48,11 @@ CONTRACT_ENV = {
 
 
 def is_templated(value: object) -> bool:
-    """True when ``value`` still holds Jinja markup (it is checked again after rendering)."""
-    return isinstance(value, str) and ("{{" in value or "{%" in value)
+    """True when ``value`` is only known at run time: Jinja markup, or an upstream task's output
+    (an ``XComArg``); either is checked again after rendering."""
+    if isinstance(value, str):
+        return "{{" in value or "{%" in value
+    return callable(getattr(value, "resolve", None)) and callable(getattr(value, "iter_references", None))
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,10 @@ class GroupSpec:
         problems: list[str] = []
 
         def positive_int(name: str, value: object, hint: str) -> int:
+            if allow_templates and is_templated(value):
+                return 1  # checked again once rendered
+            if isinstance(value, str) and value.strip().isdigit():
+                value = int(value)  # a rendered template ("{{ params.num_nodes }}" -> "2")
             if isinstance(value, bool) or not isinstance(value, int):
                 problems.append(f"{name} must be a whole number, got {value!r} ({type(value).__name__})")
                 return 1
@@ -175,7 +182,9 @@ class GroupSpec:
                     continue
                 env_map[key] = str(value)
 
-        if not isinstance(backend, str) or backend not in BACKENDS:
+        if allow_templates and is_templated(backend):
+            backend_str = str(backend)  # checked again once rendered
+        elif not isinstance(backend, str) or backend not in BACKENDS:
             problems.append(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
             backend_str = "local"
         else:

@@ -114,10 +114,15 @@ def artifact_location(tracking_uri: str, experiment_name: str) -> str | None:
 
 def client(tracking_uri: str | None = None) -> MlflowClient:
     """An ``MlflowClient`` for the resolved tracking URI (registry at the same URI), checked first."""
+    import mlflow
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
     check_tracking_uri(uri)
+    # The SQL registry resolves ``models:/<id>`` sources through MLflow's *global* tracking URI
+    # (MLflow 3), which otherwise defaults to ./mlflow.db of whatever the working directory is.
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

@@ -109,7 +109,9 @@ class ShardDatasetOperator(BaseOperator):
 
     def _problems(self, *, allow_templates: bool) -> list[str]:
         problems: list[str] = []
-        if not isinstance(self.source_uri, str) or not self.source_uri.strip():
+        if allow_templates and is_templated(self.source_uri):
+            pass  # an upstream task's output or a template: checked once rendered
+        elif not isinstance(self.source_uri, str) or not self.source_uri.strip():
             problems.append(f"source_uri must be a non-empty URI string, got {self.source_uri!r}")
         elif not (allow_templates and (is_templated(self.source_uri) or is_templated(self.format))):
             try:

@@ -86,6 +86,10 @@ class DistributedTrainingOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
+        "num_nodes",
+        "nproc_per_node",
+        "backend",
+        "runtime",
         "script",
         "command",
         "script_args",
