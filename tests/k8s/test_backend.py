@@ -52,6 +52,15 @@ def launch(backend: KubernetesBackend, identity: GroupIdentity = IDENTITY, **spe
     return plan, backend.launch(plan, watch_caller=True)
 
 
+def running_group(fake: FakeKubeAPI, backend: KubernetesBackend, **spec_overrides: object):
+    """A launched group whose pods the fake's control plane has started."""
+    _, handle = launch(backend, **spec_overrides)
+    job_name = handle.extra["job_name"]
+    fake.create_pods(NS, job_name)
+    fake.set_running(NS, job_name)
+    return handle, job_name
+
+
 def assert_foreground_delete(fake: FakeKubeAPI, job: str) -> None:
     deletes = [c for c in fake.calls_to("DELETE", "jobs") if c.path.endswith(f"/jobs/{job}")]
     assert deletes, "the Job was never deleted"
@@ -110,10 +119,7 @@ def test_every_rank_log_streams_with_all_ranks_logs(fake_api: FakeKubeAPI, kubec
     backend = KubernetesBackend(
         namespace=NS, config_file=str(kubeconfig), watch_seconds=1.0, runtimes=BUILTIN_RUNTIMES, all_ranks_logs=True
     )
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     for index in (0, 1):
         fake_api.add_log(fake_api.pod(NS, job_name, index)["metadata"]["name"], f"[node {index} rank {index}] hello")
     backend.observe(handle)
@@ -123,10 +129,7 @@ def test_every_rank_log_streams_with_all_ranks_logs(fake_api: FakeKubeAPI, kubec
 def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     backend.observe(handle)
     pod1 = fake_api.pod(NS, job_name, 1)["metadata"]["name"]
     fake_api.add_log(pod1, "[node 1 rank 1] allocating 40 GiB", *AGENT_REPORT.splitlines())
@@ -150,6 +153,7 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     assert "Kubernetes reports: node 1 was killed by SIGKILL (OOMKilled)" in report.message
     assert "rank 1 (node 1, local rank 0) was killed by signal SIGKILL" in report.message
     assert "[node 1 rank 1] allocating 40 GiB" in report.message
+    assert "raise the runtime's memory" in report.message
     assert f"pod {NS}/{pod1}" in report.message
     assert_foreground_delete(fake_api, job_name)
 
@@ -157,10 +161,7 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
 def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     backend.observe(handle)
     # The scheduler preempts node 0 (DisruptionTarget at t-3s); node 1 loses its peer and its
     # container ends first (t-2s) while node 0 is still shutting down (t-1s).
@@ -231,6 +232,8 @@ def test_missing_image_fails_without_retry(fake_api: FakeKubeAPI, backend: Kuber
     report = backend.explain(handle, status)
     assert not report.retryable
     assert "not found" in report.message
+    assert "Kubernetes reports: nodes 0,1" in report.message  # identical failures grouped
+    assert "check the runtime's image (name, tag, digest) and image_pull_secrets" in report.message
 
 
 def test_rate_limited_image_pull_stays_pending(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
@@ -316,10 +319,7 @@ def test_restarted_worker_reattaches_to_the_running_group(
     fake_api: FakeKubeAPI, backend: KubernetesBackend, kubeconfig
 ) -> None:
     spec = make_spec()
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
 
     # A new process (fresh backend, next try of the same task instance) finds the same group.
     again = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), watch_seconds=1.0, runtimes=BUILTIN_RUNTIMES)
@@ -367,10 +367,7 @@ def test_api_server_rejection_is_an_invalid_spec(fake_api: FakeKubeAPI, kubeconf
 
 
 def test_teardown_on_kill_deletes_a_running_group(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     backend.observe(handle)
 
     backend.teardown(handle)  # what on_kill calls
@@ -416,10 +413,7 @@ def test_relaunch_after_preemption_gets_its_own_name(fake_api: FakeKubeAPI, back
 def test_async_observe_uses_the_async_hook_from_the_connection(
     fake_api: FakeKubeAPI, k8s_connection: str, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
 
     # A trigger's backend: no kubeconfig file, only the Airflow connection.
     watcher = KubernetesBackend(
@@ -445,10 +439,7 @@ def test_async_observe_uses_the_async_hook_from_the_connection(
 def test_a_trigger_rebuilds_the_backend_from_the_handle_and_sees_progress(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     pod0 = fake_api.pod(NS, job_name, 0)["metadata"]["name"]
     fake_api.add_log(pod0, "[node 0 rank 0] step 1")
 
@@ -471,10 +462,7 @@ def test_a_fresh_backend_keeps_the_failure_for_explain_across_teardown(
     fake_api: FakeKubeAPI, backend: KubernetesBackend, kubeconfig
 ) -> None:
     """A deferred task's re-entry: new process, teardown first, then explain."""
-    _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
-    fake_api.create_pods(NS, job_name)
-    fake_api.set_running(NS, job_name)
+    handle, job_name = running_group(fake_api, backend)
     pod1 = fake_api.pod(NS, job_name, 1)["metadata"]["name"]
     fake_api.add_log(
         pod1, "[node 1 rank 1] Traceback (most recent call last):", "[node 1 rank 1] ValueError: bad batch"

@@ -128,3 +128,16 @@ def test_missing_image_fails_without_retry(cluster: FakeKubeAPI, run_dag) -> Non
     assert result.task_states == {"train": "failed"}
     assert len(created_jobs(cluster)) == 1  # no second try
     assert "manifest unknown" in result.log and "A retry cannot fix this" in result.log
+
+
+def test_deferred_task_is_watched_by_the_trigger_through_the_async_hook(cluster: FakeKubeAPI, run_dag) -> None:
+    with Autopilot(cluster, oom):
+        result = run_dag(TASK.replace("track=False,", "track=False,\n    deferrable=True,"))
+    assert result.task_states == {"train": "failed"}
+    assert "deferring; the triggerer watches it" in result.log
+    assert "OOMKilled" in result.log
+    # The re-entry (a fresh backend) deleted the group after keeping the failed pod's log tail.
+    assert "[node 1 rank 1] allocating activations" in result.log
+    (job,) = created_jobs(cluster)
+    assert any(c.method == "DELETE" and c.path.endswith(f"/jobs/{job}") for c in cluster.calls)
+    assert any(c.is_watch for c in cluster.calls)

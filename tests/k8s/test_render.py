@@ -301,3 +301,59 @@ def test_the_dns_wait_succeeds_when_the_name_resolves_and_gives_up_at_its_deadli
         timeout=60,
     )
     assert bad.returncode == 1 and "did not resolve within 1s" in bad.stderr
+
+
+TINY = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"RANK={os.environ['RANK']} GROUP_RANK={os.environ['GROUP_RANK']} sum={int(t.item())}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_pod_command_runs_a_real_group_with_the_rank_from_the_completion_index(tmp_path: Path) -> None:
+    """Two agents started exactly as two pods would start them (expanded command and env), on
+    loopback instead of node 0's DNS name: ranks, node ranks and log prefixes come out right."""
+    import socket
+
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    spec = GroupSpec.create(num_nodes=2, nproc_per_node=1, script=str(script), backend="kubernetes", runtime="cpu")
+    backend = KubernetesBackend(namespace="ml", runtimes=BUILTIN_RUNTIMES)
+    group = backend.render(backend.plan(spec, SCENARIOS["cpu_single_node"][1], {}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node in (0, 1):
+        command, env = expand_for_node(trainer_template(group), node)
+        local = {
+            "python": sys.executable,
+            f"--master-addr={group.name}-0.{group.name}.ml.svc": "--master-addr=127.0.0.1",
+            "--master-port=29500": f"--master-port={port}",
+            f"--log-dir={k8s_render.TORCHRUN_LOG_DIR}": f"--log-dir={tmp_path / f'node-{node}'}",
+        }
+        assert all(k in command for k in local)  # only these four differ from what the pod runs
+        command = [local.get(a, a) for a in command]
+        procs.append(
+            subprocess.Popen(
+                command,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        outputs.append(out)
+        assert proc.returncode == 0, out
+    assert "[node 0 rank 0] RANK=0 GROUP_RANK=0 sum=3" in outputs[0]
+    assert "[node 1 rank 1] RANK=1 GROUP_RANK=1 sum=3" in outputs[1]

@@ -331,3 +331,12 @@ def test_log_cursor_returns_each_line_once() -> None:
     assert cursor.feed("2026-11-30T10:00:02.25Z e f\n") == []
     assert split_stamp("2026-11-30T10:00:02.25+01:00 x") == ((1796029202, 250000000), "x")
     assert split_stamp("no stamp") == (None, "no stamp")
+
+
+def test_a_large_failed_group_reads_a_bounded_number_of_log_tails() -> None:
+    from airflow_torchrun.backends.k8s_explain import MAX_TAILS, nodes_to_read
+
+    pods = [pod(i, "Failed", main=terminated(1, "Error", finished=T5 if i else T1)) for i in range(40)]
+    status = group_status(node_observations(40, job(), pods), launched_at=0, now=2e9, startup_timeout=60)
+    ranks = nodes_to_read(status)
+    assert len(ranks) == MAX_TAILS and ranks[0] == 0  # the earliest failure first

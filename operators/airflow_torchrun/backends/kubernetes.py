@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_torchrun import diagnosis
 from airflow_torchrun.backends.base import FailureReport, GroupHandle
+from airflow_torchrun.backends.k8s_explain import MAX_TAILS, explain_failure, nodes_to_read
 from airflow_torchrun.backends.k8s_logs import LogCursor
 from airflow_torchrun.backends.k8s_render import (
     ANN_GROUP_ID,
@@ -61,7 +61,7 @@ from airflow_torchrun.backends.k8s_status import (
 from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError, TorchrunError
 from airflow_torchrun.runtimes import Runtime, RuntimeCatalog, get_runtime, load_runtimes
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase, describe_node
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
 from airflow_torchrun.wiring import DEFAULT_MASTER_PORT, GroupIdentity, GroupPlan, plan
 
 if TYPE_CHECKING:
@@ -518,6 +518,16 @@ class KubernetesBackend:
         state.nodes = nodes
         return nodes
 
+    def _watch_args(self, selector: str, resource_version: str | None) -> dict[str, Any]:
+        """One watch of the group's pods from ``resource_version``: the server ends it after
+        ``watch_seconds``; the client gives up a request timeout later."""
+        return {
+            "label_selector": selector,
+            "resource_version": resource_version,
+            "timeout_seconds": max(1, math.ceil(self.watch_seconds)),
+            "_request_timeout": self.watch_seconds + self.request_timeout,
+        }
+
     def _watch_once(self, core: Any, ns: str, selector: str, resource_version: str | None) -> None:
         """Block until the group's pods change or ``watch_seconds`` pass."""
         from kubernetes import watch
@@ -525,13 +535,7 @@ class KubernetesBackend:
 
         w = watch.Watch()
         stream = w.stream(
-            core.list_namespaced_pod,
-            ns,
-            label_selector=selector,
-            resource_version=resource_version,
-            timeout_seconds=max(1, math.ceil(self.watch_seconds)),
-            _request_timeout=self.watch_seconds + self.request_timeout,
-            deserialize=False,
+            core.list_namespaced_pod, ns, **self._watch_args(selector, resource_version), deserialize=False
         )
         try:
             for _event in stream:
@@ -604,12 +608,7 @@ class KubernetesBackend:
         async with watch.Watch() as w:
             try:
                 async for _event in w.stream(
-                    core.list_namespaced_pod,
-                    ns,
-                    label_selector=selector,
-                    resource_version=resource_version,
-                    timeout_seconds=max(1, math.ceil(self.watch_seconds)),
-                    _request_timeout=self.watch_seconds + self.request_timeout,
+                    core.list_namespaced_pod, ns, **self._watch_args(selector, resource_version)
                 ):
                     break
             except ApiException as exc:
@@ -621,8 +620,12 @@ class KubernetesBackend:
         from kubernetes_asyncio import client as async_client
 
         state = self._state(handle)
-        running = sorted((completion_index(p), p["metadata"]["name"]) for p in state.pods if _container_running(p))
-        marks: list[tuple[int | None, str]] = []
+        running = sorted(
+            (idx, p["metadata"]["name"])
+            for p in state.pods
+            if _container_running(p) and (idx := completion_index(p)) is not None
+        )
+        marks: list[tuple[int, str]] = []
         hook = await self._async_hook()
         async with hook.get_conn() as api:
             core = async_client.CoreV1Api(api)
@@ -748,54 +751,8 @@ class KubernetesBackend:
         """The failing pod's platform reason and log tail, torchrun's own report when present."""
         name, ns = self._names(handle)
         pods = self._pods_by_node(handle)
-        if status.state is GroupState.STARTUP_TIMEOUT:
-            lines = [f"Training group {handle.group_id} could not start: {status.reason}."]
-            for n in status.nodes:
-                if n.phase is NodePhase.PENDING:
-                    pod = pods.get(n.node_rank)
-                    where = f"pod {pod['metadata']['name']}" if pod else "no pod"
-                    lines.append(f"  node {n.node_rank} ({where}): {n.reason or 'pending'}")
-            lines.append(
-                f"Job {ns}/{name} is deleted. Check the cluster's free capacity and quotas "
-                f"(`kubectl describe pod -n {ns} -l {GROUP_LABEL}={name}`), or raise startup_timeout."
-            )
-            retryable = all(n.retryable for n in status.nodes)
-            return FailureReport(message="\n".join(lines), retryable=retryable)
-
-        failed = [n for n in status.nodes if n.phase in (NodePhase.FAILED, NodePhase.LOST)]
-        reported: list[diagnosis.RankFailure] = []
-        logs: dict[int, str] = {}
-        for n in failed:
-            logs[n.node_rank] = self._log_tail(handle, n.node_rank, pods.get(n.node_rank))
-            reported += diagnosis.parse_agent_report(n.node_rank, logs[n.node_rank])
-        failures = diagnosis.merge(reported, [])
-        cause = diagnosis.root_cause(failures)
-        # The node to show: the platform's reason names it (OOMKilled, Preempted...), else
-        # torchrun's report of the first real failure, else the first node that failed.
-        first = next((n for n in status.nodes if n.node_rank == status.failed_node), None)
-        if first is not None and first.reason:
-            node = first.node_rank
-        elif cause is not None:
-            node = cause.node_rank
-        else:
-            node = status.failed_node or 0
-        if node not in logs:
-            logs[node] = self._log_tail(handle, node, pods.get(node))
-        tail = diagnosis.rank_lines(logs.get(node, ""), node, cause.rank if cause and cause.node_rank == node else None)
-        pod = pods.get(node)
-        where = f"pod {ns}/{pod['metadata']['name']}" if pod else f"node {node} of Job {ns}/{name}"
-        message = diagnosis.failure_message(
-            handle.group_id, failures, node_headline=status.reason, log_tail=tail, log_path=where
-        )
-        head, _, rest = message.partition("\n")
-        # The platform's view (OOMKilled, Preempted...), unless the headline already says it.
-        platform = [
-            describe_node(n) for n in failed if n.reason and n.stopped_by is None and describe_node(n) not in head
-        ]
-        if platform:
-            message = "\n".join([head, "Kubernetes reports: " + "; ".join(platform), *([rest] if rest else [])])
-        retryable = all(n.retryable for n in failed) and (cause.retryable if cause else True)
-        return FailureReport(message=message, retryable=retryable)
+        logs = {n: self._log_tail(handle, n, pods.get(n)) for n in nodes_to_read(status)}
+        return explain_failure(handle.group_id, status, namespace=ns, job_name=name, pods=pods, logs=logs)
 
     # -- teardown ---------------------------------------------------------------------------
     def teardown(self, handle: GroupHandle) -> None:
@@ -833,10 +790,12 @@ class KubernetesBackend:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            for node_rank, pod in self._pods_by_node(handle).items():
-                obs = pod_observation(node_rank, pod)
-                if obs.phase is NodePhase.FAILED and obs.stopped_by is None:
-                    self._log_tail(handle, node_rank, pod)
+            pods = self._pods_by_node(handle)
+            failed = [pod_observation(n, pod) for n, pod in pods.items()]
+            failed = [o for o in failed if o.phase is NodePhase.FAILED and o.stopped_by is None]
+            failed.sort(key=lambda o: (o.finished_at if o.finished_at is not None else float("inf"), o.node_rank))
+            for obs in failed[:MAX_TAILS]:
+                self._log_tail(handle, obs.node_rank, pods[obs.node_rank])
         except ApiException as exc:  # best effort: never block a teardown on it
             log.debug("Could not keep the log tails of %s: %s", handle.group_id, _api_message(exc))
 
