@@ -239,3 +239,11 @@ def test_import_errors_are_not_retryable():
     files = [(0, _error_file(0, "ModuleNotFoundError: No module named 'transformerz'", 5.0))]
     cause = diagnosis.root_cause(diagnosis.merge(reported, files))
     assert cause is not None and not cause.retryable
+
+
+def test_a_chosen_exit_code_wins_over_an_abort_on_the_way_out():
+    reported = [diagnosis.RankFailure(node_rank=1, rank=1, exit_code=-6, signal="SIGABRT")]
+    files = [(1, _error_file(1, "SystemExit: 7", 5.0))]
+    cause = diagnosis.root_cause(diagnosis.merge(reported, files))
+    assert cause is not None and cause.exit_code == 7 and cause.signal is None
+    assert cause.headline() == "rank 1 (node 1) exited with code 7"

@@ -33,6 +33,7 @@ _COLLATERAL = re.compile(
 # Errors a retry cannot fix: the script itself is broken.
 _PERMANENT = re.compile(r"^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|NameError)\b")
 TAIL_LINES = 20
+_SYSTEM_EXIT = re.compile(r"^SystemExit: (-?\d+)$")
 # Peer addresses differ from rank to rank; drop them so identical failures group together.
 _ADDRESS = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?(?::\d+)?")
 
@@ -131,7 +132,13 @@ def merge(reported: Iterable[RankFailure], error_files: Iterable[tuple[int, str]
         rank, message, tb, when = parse_error_file(text)
         key = (node_rank, rank)
         base = by_rank.get(key, RankFailure(node_rank=node_rank, rank=rank))
-        by_rank[key] = replace(base, message=message, traceback=tb, time=when or base.time)
+        merged = replace(base, message=message, traceback=tb, time=when or base.time)
+        exited = _SYSTEM_EXIT.match(message or "")
+        if exited:
+            # The rank chose its exit code; a C++ destructor aborting on the way out (SIGABRT with
+            # a live process group) must not hide it.
+            merged = replace(merged, exit_code=int(exited.group(1)), signal=None)
+        by_rank[key] = merged
     return list(by_rank.values())
 
 

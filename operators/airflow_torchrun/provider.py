@@ -17,34 +17,55 @@ def _option(description: str, default: str | None, example: str | None = None) -
     }
 
 
+CONFIG_OPTIONS = {
+    "default_backend": _option(
+        "Backend used when an operator does not name one: local or kubernetes.", "local", "kubernetes"
+    ),
+    "state_dir": _option(
+        "Local state: each local group's logs and status files, default checkpoints, shards and the default "
+        "MLflow store. Default ~/.airflow-torchrun.",
+        None,
+        "/var/lib/airflow/torchrun",
+    ),
+    "checkpoint_base": _option(
+        "Root of the default checkpoint URI <checkpoint_base>/<dag_id>/<run_id>/<task_id>. "
+        "Default file://<state_dir>/checkpoints.",
+        None,
+        "s3://ml-checkpoints/airflow",
+    ),
+    "mlflow_tracking_uri": _option(
+        "MLflow tracking URI for training runs when MLFLOW_TRACKING_URI is not set. "
+        "Default sqlite:///<state_dir>/mlflow/mlflow.db.",
+        None,
+        "http://mlflow.ml.svc:5000",
+    ),
+    "mlflow_ui_url": _option("Base URL of the MLflow UI, for the task's 'MLflow run' link.", "http://localhost:5000"),
+    "runtimes_file": _option(
+        "YAML file of named runtimes for the Kubernetes backend.", None, "/opt/airflow/config/torchrun-runtimes.yaml"
+    ),
+    "runtimes_variable": _option(
+        "Airflow Variable holding runtimes (JSON or YAML), read when no file is set.", "torchrun_runtimes"
+    ),
+    "default_runtime": _option("Runtime used when an operator on the Kubernetes backend names none.", "cpu"),
+    "kubernetes_conn_id": _option("Airflow connection of the cluster.", "kubernetes_default"),
+    "kubernetes_namespace": _option("Namespace of the training Jobs.", "default", "ml-training"),
+}
+
+
 def get_provider_info() -> dict[str, Any]:
+    modules = ["training", "evaluate", "shard", "register"]
     return {
         "package-name": "airflow-torchrun",
         "name": "airflow-torchrun",
         "description": "Distributed PyTorch training (torchrun) as one Airflow task.",
         "versions": [__version__],
-        "operators": [
-            {
-                "integration-name": "torchrun",
-                "python-modules": ["airflow_torchrun.operators.training"],
-            }
-        ],
         "integrations": [
             {"integration-name": "torchrun", "external-doc-url": "https://pytorch.org/docs/stable/elastic/run.html"}
         ],
-        "config": {
-            "torchrun": {
-                "description": "Defaults for airflow-torchrun's training groups.",
-                "options": {
-                    "default_backend": _option(
-                        "Backend used when an operator does not name one: local or kubernetes.", "local", "kubernetes"
-                    ),
-                    "state_dir": _option(
-                        "Where the local backend keeps each group's logs and status files.",
-                        None,
-                        "/var/lib/airflow/torchrun",
-                    ),
-                },
-            }
-        },
+        "operators": [
+            {"integration-name": "torchrun", "python-modules": [f"airflow_torchrun.operators.{m}" for m in modules]}
+        ],
+        "triggers": [{"integration-name": "torchrun", "python-modules": ["airflow_torchrun.triggers"]}],
+        "extra-links": ["airflow_torchrun.links.MlflowRunLink"],
+        "config": {"torchrun": {"description": "Defaults for airflow-torchrun.", "options": CONFIG_OPTIONS}},
     }

@@ -245,3 +245,15 @@ def rank_env(run_id: str, tracking_uri: str | None = None) -> dict[str, str]:
 def finish_run(run_id: str, *, succeeded: bool, tracking_uri: str | None = None) -> None:
     """Mark the run FINISHED or FAILED once the group has ended (the next try sets it RUNNING again)."""
     client(tracking_uri).set_terminated(run_id, status="FINISHED" if succeeded else "FAILED")
+
+
+def run_url(run_id: str, tracking_uri: str | None = None) -> str:
+    """The run's page in the MLflow UI (``[torchrun] mlflow_ui_url``, or the server itself when the
+    tracking URI is an MLflow server)."""
+    from airflow_torchrun.compat import conf
+
+    uri = resolve_tracking_uri(tracking_uri)
+    base = uri if uri.startswith(("http://", "https://")) else None
+    base = conf.get("torchrun", "mlflow_ui_url", fallback=None) or base or "http://localhost:5000"
+    experiment_id = client(uri).get_run(run_id).info.experiment_id
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"

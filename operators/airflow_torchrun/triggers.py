@@ -44,6 +44,7 @@ class GroupEventStatus(StrEnum):
     FAILED = "failed"
     STARTUP_TIMEOUT = "startup_timeout"
     PROGRESS_TIMEOUT = "progress_timeout"  # no node's log grew for progress_timeout seconds
+    TIMEOUT = "timeout"  # the task's execution_timeout (the watch's deadline) passed
     ERROR = "error"  # the trigger could not observe the group; its state is unknown
 
     @property
@@ -60,6 +61,7 @@ _TO_GROUP_STATE = {
     **{event: state for state, event in _FROM_GROUP_STATE.items()},
     # No group state of their own: the group did not end well, the reason says how.
     GroupEventStatus.PROGRESS_TIMEOUT: GroupState.FAILED,
+    GroupEventStatus.TIMEOUT: GroupState.FAILED,
     GroupEventStatus.ERROR: GroupState.FAILED,
 }
 
@@ -152,10 +154,15 @@ class GroupWatch:
     handle: GroupHandle
     poll_interval: float = 1.0
     progress_timeout: float | None = None
+    deadline: float | None = None  # epoch seconds: the task's execution_timeout
 
     @classmethod
     def create(
-        cls, handle: Mapping[str, Any] | GroupHandle, poll_interval: object, progress_timeout: object
+        cls,
+        handle: Mapping[str, Any] | GroupHandle,
+        poll_interval: object,
+        progress_timeout: object,
+        deadline: object = None,
     ) -> GroupWatch:
         """Validate raw arguments; every problem is reported at once."""
         problems = []
@@ -177,9 +184,12 @@ class GroupWatch:
             problems.append(
                 f"progress_timeout must be a positive number of seconds or None (no limit), got {progress_timeout!r}"
             )
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int | float)):
+            problems.append(f"deadline must be epoch seconds or None, got {deadline!r}")
         if problems or parsed is None:
             raise ValueError("GroupTrigger cannot watch this group:\n" + "\n".join(f"  - {p}" for p in problems))
         return cls(
+            deadline=None if deadline is None else float(deadline),  # type: ignore[arg-type]
             handle=parsed,
             poll_interval=float(poll_interval),  # type: ignore[arg-type]
             progress_timeout=None if progress_timeout is None else float(progress_timeout),  # type: ignore[arg-type]
@@ -214,6 +224,8 @@ class GroupTrigger(BaseTrigger):
     :param progress_timeout: Fire ``progress_timeout`` when no node's log has grown for this many
         seconds while the group runs (a hung collective). ``None``: no limit. The clock restarts
         when the trigger does (a triggerer restart grants a fresh window).
+    :param deadline: Epoch seconds (the task's ``execution_timeout``): fire ``timeout`` when the
+        group is still running then, so the operator tears it down. Survives triggerer restarts.
     """
 
     def __init__(
@@ -221,9 +233,10 @@ class GroupTrigger(BaseTrigger):
         handle: Mapping[str, Any] | GroupHandle,
         poll_interval: float = 1.0,
         progress_timeout: float | None = None,
+        deadline: float | None = None,
     ) -> None:
         super().__init__()
-        self.watch = GroupWatch.create(handle, poll_interval, progress_timeout)
+        self.watch = GroupWatch.create(handle, poll_interval, progress_timeout, deadline)
 
     @property
     def handle(self) -> GroupHandle:
@@ -289,6 +302,14 @@ class GroupTrigger(BaseTrigger):
                 last_phases = phases
             if status.state.terminal:
                 return GroupEvent.from_status(handle, status)
+            if watch.deadline is not None and time.time() >= watch.deadline:
+                return GroupEvent(
+                    status=GroupEventStatus.TIMEOUT,
+                    group_id=handle.group_id,
+                    handle=handle,
+                    reason="the task's execution_timeout passed while the group was still running",
+                    nodes=status.nodes,
+                )
             now = time.monotonic()
             if probe is not None and watch.progress_timeout is not None:
                 try:

@@ -65,8 +65,7 @@ class EvaluateModelOperator(DistributedTrainingOperator):
         root = self.checkpoint.rstrip("/").rpartition("/")[0]
         options = self._storage_options()
         CheckpointStore(root, options).read_marker(ref.step)  # only a committed checkpoint is evaluated
-        ti = context["ti"]
-        self._metrics_uri = f"{root}/eval/{ti.task_id}-try{ti.try_number}.json"
+        self._metrics_uri = self._metrics_location(context)
         self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, self._metrics_uri)
         env = storage_env(options)
         env.update(
@@ -84,10 +83,17 @@ class EvaluateModelOperator(DistributedTrainingOperator):
             env.update(rank_env(self.mlflow_run_id, resolve_tracking_uri(self.mlflow_tracking_uri)))
         return env
 
+    def _metrics_location(self, context: Context) -> str:
+        """Beside the checkpoint, one file per try (deterministic: a deferred re-entry finds it)."""
+        ti = context["ti"]
+        root = self.checkpoint.rstrip("/").rpartition("/")[0]
+        return f"{root}/eval/{ti.task_id}-try{ti.try_number}.json"
+
     def _finish(
         self, context: Context, spec: GroupSpec, backend: Backend, handle: GroupHandle, status: GroupStatus
     ) -> dict[str, Any]:
         summary = super()._finish(context, spec, backend, handle, status)  # raises when the group failed
+        self._metrics_uri = self._metrics_location(context)
         metrics = self._read_metrics()
         context["ti"].xcom_push(key="group_summary", value=summary)
         self.log.info("Evaluation metrics: %s", json.dumps(metrics, sort_keys=True))

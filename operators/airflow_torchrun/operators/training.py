@@ -9,8 +9,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from airflow_torchrun.compat import AirflowException, AirflowFailException, BaseOperator, conf
+from airflow_torchrun.compat import AirflowException, AirflowFailException, AirflowTaskTimeout, BaseOperator, conf
 from airflow_torchrun.errors import InvalidSpecError, StorageError
+from airflow_torchrun.links import MLFLOW_RUN_URL_KEY, MlflowRunLink
 from airflow_torchrun.spec import (
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_STARTUP_TIMEOUT,
@@ -100,6 +101,7 @@ class DistributedTrainingOperator(BaseOperator):
         "mlflow_experiment",
     )
     template_fields_renderers = {"env": "json", "script_args": "py", "command": "py"}
+    operator_extra_links = (MlflowRunLink(),)
     ui_color = "#ee4c2c"
     ui_fgcolor = "#ffffff"
 
@@ -293,12 +295,19 @@ class DistributedTrainingOperator(BaseOperator):
         if self.shard_manifest:
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
         if self.track:
-            from airflow_torchrun.tracking import check_tracking_uri, ensure_run, rank_env, resolve_tracking_uri
+            from airflow_torchrun.tracking import (
+                check_tracking_uri,
+                ensure_run,
+                rank_env,
+                resolve_tracking_uri,
+                run_url,
+            )
 
             tracking_uri = resolve_tracking_uri(self.mlflow_tracking_uri)
             check_tracking_uri(tracking_uri)
             self._mlflow_run_id = ensure_run(context, self.mlflow_experiment, tracking_uri)
             ti.xcom_push(key="mlflow_run_id", value=self._mlflow_run_id)
+            ti.xcom_push(key=MLFLOW_RUN_URL_KEY, value=run_url(self._mlflow_run_id, tracking_uri))
             env.update(rank_env(self._mlflow_run_id, tracking_uri))
         return env
 
@@ -317,7 +326,7 @@ class DistributedTrainingOperator(BaseOperator):
         for attempt in range(1, PORT_RACE_RETRIES + 1):
             handle = self._launch(context, spec, backend, extra_env)
             if self.deferrable:
-                self._defer_to_trigger(handle, attempt)
+                self._defer_to_trigger(context, handle, attempt)
             try:
                 status = self._wait(backend, handle)
             finally:
@@ -331,20 +340,30 @@ class DistributedTrainingOperator(BaseOperator):
 
     def execute_complete(self, context: Context, event: dict[str, Any], attempt: int = 1) -> dict[str, Any] | None:
         """Re-entry after the trigger fired: rebuild everything from the event, then finish as sync mode does."""
-        from airflow_torchrun.triggers import GroupEvent
+        from airflow_torchrun.triggers import GroupEvent, GroupEventStatus, backend_for_handle
 
         spec = self._spec()
         group_event = GroupEvent.from_payload(event)
         handle = group_event.handle
-        backend = self._get_backend()
-        self._handle = handle
+        backend = backend_for_handle(handle)
+        self._backend_obj, self._handle = backend, handle
+        self._mlflow_run_id = context["ti"].xcom_pull(task_ids=self.task_id, key="mlflow_run_id")
         status = group_event.group_status()
         self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
+        # Always: on success it only confirms nothing is left (a supervisor exits just after exit.json).
         backend.teardown(handle)
         self._flush_logs(backend, handle)
+        if group_event.status is GroupEventStatus.TIMEOUT:
+            self._end_tracking(succeeded=False)
+            raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {group_event.reason}")
+        if group_event.status is GroupEventStatus.ERROR:
+            self._end_tracking(succeeded=False)
+            raise AirflowException(f"Group {handle.group_id} was stopped: {group_event.reason}")
+        if group_event.status is GroupEventStatus.PROGRESS_TIMEOUT:
+            self.log.error("Group %s: %s", handle.group_id, group_event.reason)
         if self._port_race(backend, handle, status, attempt):
             handle = self._launch(context, spec, backend, self.contract_env(context))
-            self._defer_to_trigger(handle, attempt + 1)
+            self._defer_to_trigger(context, handle, attempt + 1)
         return self._finish(context, spec, backend, handle, status)
 
     def _launch(self, context: Context, spec: GroupSpec, backend: Backend, extra_env: Mapping[str, str]) -> GroupHandle:
@@ -376,12 +395,20 @@ class DistributedTrainingOperator(BaseOperator):
             self.log.info("Group %s log: %s", handle.group_id, path)
         return handle
 
-    def _defer_to_trigger(self, handle: GroupHandle, attempt: int) -> None:
+    def _defer_to_trigger(self, context: Context, handle: GroupHandle, attempt: int) -> None:
         from airflow_torchrun.triggers import GroupTrigger
 
+        deadline = None
+        if self.execution_timeout is not None:
+            # Airflow does not enforce execution_timeout on a deferred task: the trigger does.
+            started = context["ti"].start_date
+            start = started.timestamp() if started is not None else handle.launched_at
+            deadline = start + self.execution_timeout.total_seconds()
         self.log.info("Group %s: deferring; the triggerer watches it from now on", handle.group_id)
         self.defer(
-            trigger=GroupTrigger(handle=handle.to_dict(), poll_interval=max(self.poll_interval, 1.0)),
+            trigger=GroupTrigger(
+                handle=handle.to_dict(), poll_interval=max(self.poll_interval, 1.0), deadline=deadline
+            ),
             method_name="execute_complete",
             kwargs={"attempt": attempt},
         )
@@ -413,6 +440,8 @@ class DistributedTrainingOperator(BaseOperator):
         wall = time.time() - handle.launched_at
         self.log.info("Group %s succeeded: every node exited 0, %.1fs after launch", handle.group_id, wall)
         self._end_tracking(succeeded=True)
+        if self.checkpoint_uri is None:  # re-entry after deferral: a new process, same default
+            self.checkpoint_uri = self.default_checkpoint_uri(context)
         final = self._final_checkpoint()
         return {
             "checkpoint_uri": self.checkpoint_uri,
