@@ -52,9 +52,11 @@ def launch(backend: KubernetesBackend, identity: GroupIdentity = IDENTITY, **spe
     return plan, backend.launch(plan, watch_caller=True)
 
 
-def running_group(fake: FakeKubeAPI, backend: KubernetesBackend, **spec_overrides: object):
+def running_group(
+    fake: FakeKubeAPI, backend: KubernetesBackend, identity: GroupIdentity = IDENTITY, **spec_overrides: object
+):
     """A launched group whose pods the fake's control plane has started."""
-    _, handle = launch(backend, **spec_overrides)
+    _, handle = launch(backend, identity, **spec_overrides)
     job_name = handle.extra["job_name"]
     fake.create_pods(NS, job_name)
     fake.set_running(NS, job_name)
@@ -484,3 +486,19 @@ def test_credentials_in_plain_env_are_flagged(backend: KubernetesBackend, caplog
         backend.plan(spec, IDENTITY, {"AWS_SECRET_ACCESS_KEY": "k"})
     assert "AWS_SECRET_ACCESS_KEY, WANDB_API_TOKEN look like credentials" in caplog.text
     assert "t0ps3cret" not in caplog.text
+
+
+def test_a_failed_leftover_job_is_not_reattached_but_a_completed_one_is(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    _, failed_name = running_group(fake_api, backend)
+    fake_api.fail_job(NS, failed_name, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    try3 = dataclasses.replace(IDENTITY, try_number=3)
+    assert backend.find_existing(try3, make_spec()) is None  # would only repeat the failure
+
+    _, done_name = running_group(fake_api, backend, dataclasses.replace(IDENTITY, try_number=2))
+    fake_api.set_terminated(NS, done_name, None, exit_code=0, reason="Completed")
+    found = backend.find_existing(try3, make_spec())
+    assert found is not None and found.extra["job_name"] == done_name
+    status = settle(backend, found, lambda s: s.state.terminal)
+    assert status.state is GroupState.SUCCEEDED

@@ -409,15 +409,35 @@ class KubernetesBackend:
     def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> GroupHandle | None:
         """The group this task instance (same dag, task, run, map index; any try) left running.
 
-        A restarted worker attaches to it instead of launching a second group. Jobs being
-        deleted are ignored; of several, the newest wins. A finished Job is returned too: its
-        outcome is the task's.
+        A restarted worker attaches to it instead of launching a second group; of several, the
+        newest wins. A Job that completed is returned too (its success is the task's, nothing
+        runs again). Ignored: Jobs being deleted, and failed Jobs (left over when an earlier try's
+        teardown did not get through): attaching to one would only repeat its failure, so the
+        task starts a fresh group, as ``ResumableJobMixin`` does for a failed job.
         """
         batch = self._hook().batch_v1_client
         listed = self._sync_json(
             batch.list_namespaced_job, self.namespace, label_selector=f"{INSTANCE_LABEL}={instance_key(identity)}"
         )
-        live = [j for j in listed.get("items") or [] if not (j.get("metadata") or {}).get("deletionTimestamp")]
+        live = []
+        for job in listed.get("items") or []:
+            meta = job.get("metadata") or {}
+            if meta.get("deletionTimestamp"):
+                continue
+            if any(
+                c.get("type") == "Failed" and c.get("status") == "True"
+                for c in (job.get("status") or {}).get("conditions") or []
+            ):
+                log.warning(
+                    "Not reattaching to failed Job %s/%s of an earlier try; delete it with "
+                    "`kubectl delete job -n %s %s --cascade=foreground`",
+                    self.namespace,
+                    meta.get("name"),
+                    self.namespace,
+                    meta.get("name"),
+                )
+                continue
+            live.append(job)
         if not live:
             return None
         job = max(live, key=lambda j: parse_time(j["metadata"].get("creationTimestamp")) or 0.0)
