@@ -15,7 +15,7 @@ from airflow_torchrun.spec import GroupSpec
     [
         ({"num_nodes": 0}, "num_nodes must be at least 1, got 0"),
         ({"nproc_per_node": -2}, "nproc_per_node must be at least 1, got -2"),
-        ({"num_nodes": "2"}, "num_nodes must be a whole number"),
+        ({"num_nodes": "two"}, "num_nodes must be a whole number"),
         ({"num_nodes": True}, "num_nodes must be a whole number"),
         ({"backend": "slurm"}, "backend 'slurm' is unknown; choose one of local, kubernetes"),
         ({"rdzv_port": 70000}, "rdzv_port must be a TCP port between 1 and 65535"),

@@ -191,11 +191,16 @@ def test_event_rejects_foreign_payloads(payload: Any, match: str) -> None:
 def test_trigger_serialize_round_trips_and_classpath_imports() -> None:
     from airflow.serialization.serialized_objects import BaseSerialization
 
-    trigger = GroupTrigger(handle_dict(), poll_interval=2, progress_timeout=900)
+    trigger = GroupTrigger(handle_dict(), poll_interval=2, progress_timeout=900, deadline=1796050000.5)
     classpath, kwargs = trigger.serialize()
     assert classpath == "airflow_torchrun.triggers.GroupTrigger"
     assert import_string(classpath) is GroupTrigger
-    assert kwargs == {"handle": handle_dict(), "poll_interval": 2.0, "progress_timeout": 900.0}
+    assert kwargs == {
+        "handle": handle_dict(),
+        "poll_interval": 2.0,
+        "progress_timeout": 900.0,
+        "deadline": 1796050000.5,
+    }
     # as the triggerer does it: stored, read back, re-instantiated
     stored = BaseSerialization.deserialize(BaseSerialization.serialize(kwargs))
     again = import_string(classpath)(**stored)

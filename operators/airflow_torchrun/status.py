@@ -90,7 +90,9 @@ def describe_node(node: NodeObservation) -> str:
         return f"node {node.node_rank} was lost: {node.reason or 'its supervisor vanished without an outcome'}"
     if node.signal:
         how = f"was killed by {node.signal}"
-    else:
+    elif node.exit_code is not None:
         how = f"exited with code {node.exit_code}"
+    else:
+        how = "failed"
     why = f" ({node.reason})" if node.reason else ""
     return f"node {node.node_rank} {how}{why}"

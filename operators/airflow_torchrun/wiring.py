@@ -36,6 +36,8 @@ class GroupIdentity:
     run_id: str
     try_number: int = 1
     map_index: int = -1
+    # Launches of this try before this one (a lost port race, a preempted group): 0 for the first.
+    relaunch: int = 0
 
     @property
     def group_id(self) -> str:
@@ -43,7 +45,7 @@ class GroupIdentity:
         digest = hashlib.sha256(f"{self.dag_id}\0{self.task_id}\0{self.run_id}\0{self.map_index}".encode()).hexdigest()[
             :10
         ]
-        suffix = f"-{digest}-t{self.try_number}"
+        suffix = f"-{digest}-t{self.try_number}" + (f"-r{self.relaunch}" if self.relaunch else "")
         stem = _dns_label(f"{self.dag_id}-{self.task_id}")[: 63 - len(suffix)].rstrip("-") or "group"
         return f"{stem}{suffix}"
 
@@ -54,6 +56,7 @@ class GroupIdentity:
             "run_id": self.run_id,
             "try_number": str(self.try_number),
             "map_index": str(self.map_index),
+            "relaunch": str(self.relaunch),
         }
 
 

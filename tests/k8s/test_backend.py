@@ -192,7 +192,7 @@ def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
 def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_the_group(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend, startup_timeout=1.0)
+    _, handle = launch(backend, startup_timeout=2.5)
     job_name = handle.extra["job_name"]
     fake_api.create_pods(NS, job_name)
     message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
@@ -200,7 +200,7 @@ def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_th
 
     status = settle(backend, handle, lambda s: s.state.terminal)
     assert status.state is GroupState.STARTUP_TIMEOUT
-    assert "did not start within startup_timeout=1s" in status.reason
+    assert "did not start within startup_timeout=2.5s" in status.reason
     assert f"Unschedulable: {message}" in status.reason
     # Pending pods were watched, not polled in a tight loop: every wait was a watch request.
     watches = [c for c in fake_api.calls if c.is_watch]
@@ -399,12 +399,8 @@ def test_observe_returns_as_soon_as_a_pod_changes(fake_api: FakeKubeAPI, kubecon
 
 
 def test_relaunch_after_preemption_gets_its_own_name(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
-    @dataclasses.dataclass(frozen=True)
-    class Relaunched(GroupIdentity):
-        relaunch: int = 0
-
     _, first = launch(backend)
-    _, second = launch(backend, Relaunched(**dataclasses.asdict(IDENTITY), relaunch=1))
+    _, second = launch(backend, dataclasses.replace(IDENTITY, relaunch=1))
     assert second.extra["job_name"] == f"{first.extra['job_name']}-r1"
     assert backend.find_existing(IDENTITY, make_spec()).extra["job_name"] in (  # type: ignore[union-attr]
         first.extra["job_name"],

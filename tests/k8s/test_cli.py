@@ -35,6 +35,8 @@ DAG = textwrap.dedent(
             num_nodes=2,
             nproc_per_node=1,
             env={"RUN": "{{ run_id }}"},
+            checkpoint_uri="s3://ckpt/nightly",
+            track=False,
         )
         DistributedTrainingOperator(task_id="local_train", command=["true"], backend="local")
     """
@@ -60,7 +62,13 @@ def expected_objects(namespace: str, run_id: str, try_number: int) -> list[dict[
     )
     backend = KubernetesBackend(namespace=namespace, runtimes=BUILTIN_RUNTIMES)
     identity = GroupIdentity("nightly", "train", run_id, try_number=try_number)
-    return backend.render(backend.plan(spec, identity, {})).objects
+    # What the operator adds to the rank contract, as its I/O-free preview shows it.
+    contract = {
+        "TRAIN_CHECKPOINT_URI": "s3://ckpt/nightly",
+        "TRAIN_RESUME_FROM": "<latest committed checkpoint, or empty on a fresh start>",
+        "TRAIN_CHECKPOINT_KEEP_LAST": "3",
+    }
+    return backend.render(backend.plan(spec, identity, contract)).objects
 
 
 def test_render_prints_exactly_what_the_backend_would_create(
@@ -89,7 +97,7 @@ def test_console_script_keeps_stdout_for_yaml(dag_file: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# airflow-torchrun render: nightly.train, run manual__render, try 1")
-    assert "# Not shown: the variables the operator resolves at launch" in done.stdout
+    assert "# Not shown" not in done.stdout  # the operator previews its contract variables
     assert list(yaml.safe_load_all(done.stdout)) == expected_objects("default", "manual__render", 1)
 
 

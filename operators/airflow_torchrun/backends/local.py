@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,18 @@ class LocalBackend:
         are found by the group's marker.
         """
         stop_group(handle.group_id, grace=handle.teardown_grace)
+
+    def stop_earlier_tries(self, identity: GroupIdentity, grace: float) -> list[str]:
+        """Stop groups that earlier tries of this task instance left running (a deferred task
+        failed by the scheduler never re-enters to tear its group down). Returns their ids."""
+        stopped = []
+        for try_number in range(1, identity.try_number):
+            for relaunch in range(0, 8):
+                group_id = replace(identity, try_number=try_number, relaunch=relaunch).group_id
+                if group_pids(group_id):
+                    stop_group(group_id, grace=grace)
+                    stopped.append(group_id)
+        return stopped
 
     def running_pids(self, handle: GroupHandle) -> list[int]:
         return group_pids(handle.group_id)

@@ -6,6 +6,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +27,47 @@ from airflow_torchrun.wiring import GroupIdentity
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend, GroupHandle
     from airflow_torchrun.compat import Context
+    from airflow_torchrun.runtimes import Runtime
 
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
 PORT_RACE_RETRIES = 3
 HEARTBEAT_SECONDS = 60.0
+
+
+@dataclass
+class Relaunches:
+    """Whether a group that ended badly is launched again within the same try, and why.
+
+    A lost rendezvous-port race (local) and a preempted or evicted group (Kubernetes, up to
+    ``max_preemptions``, its own budget like Ray's) are not the script's fault: they do not spend
+    Airflow's retries. Everything else goes to Airflow's retries.
+    """
+
+    port_races: int = 0
+    preemptions: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.port_races + self.preemptions
+
+    def decide(self, backend: Backend, handle: GroupHandle, status: GroupStatus, max_preemptions: int) -> str | None:
+        if status.state is GroupState.SUCCEEDED:
+            return None
+        port_in_use = getattr(backend, "port_in_use", None)
+        if callable(port_in_use) and self.port_races < PORT_RACE_RETRIES and port_in_use(handle):
+            self.port_races += 1
+            return "its rendezvous port was taken by another process"
+        preemption = getattr(backend, "preemption", None)
+        why = preemption(status) if callable(preemption) else None
+        if why:
+            if self.preemptions >= max_preemptions:
+                return None  # the failure explains itself; the budget is in the log above
+            self.preemptions += 1
+            return (
+                f"the group was disrupted ({why}), preemption {self.preemptions} of max_preemptions={max_preemptions}"
+            )
+        return None
 
 
 class DistributedTrainingOperator(BaseOperator):
@@ -47,7 +84,7 @@ class DistributedTrainingOperator(BaseOperator):
         ``--no-python`` (templated).
     :param script_args: Arguments passed to the script on every rank (templated).
     :param num_nodes: Number of torchrun agents (machines, pods, or local processes).
-    :param nproc_per_node: Ranks started by each agent.
+    :param nproc_per_node: Ranks started by each agent. Default: the runtime's (Kubernetes), else 1.
     :param env: Extra environment variables for every rank (templated). torchrun's own variables
         cannot be overridden.
     :param backend: Where the agents run: ``"local"`` (this machine) or ``"kubernetes"``.
@@ -80,6 +117,13 @@ class DistributedTrainingOperator(BaseOperator):
     :param mlflow_tracking_uri: Default: ``$MLFLOW_TRACKING_URI``, else
         ``[torchrun] mlflow_tracking_uri``, else SQLite in the state directory.
     :param mlflow_experiment: MLflow experiment name (templated); default: the DAG id.
+    :param namespace: Kubernetes namespace of the group; default ``[torchrun] kubernetes_namespace``.
+    :param kubernetes_conn_id: Airflow connection of the cluster; default
+        ``[torchrun] kubernetes_conn_id``, else ``kubernetes_default``.
+    :param all_ranks_logs: Kubernetes: stream every rank's log into the task log, not only rank 0's.
+    :param max_preemptions: How many times a preempted or evicted group is relaunched within the
+        same try (resuming from the latest checkpoint) before the task fails; it does not spend
+        ``retries``.
     :param deferrable: Free the worker slot while the group runs: after launching, the task defers
         to a trigger that watches the group from the triggerer, and finishes (success, or failure
         with the same message as in sync mode) when the group is done. Defaults to
@@ -112,7 +156,7 @@ class DistributedTrainingOperator(BaseOperator):
         command: Sequence[str] | None = None,
         script_args: Sequence[str] = (),
         num_nodes: int = 1,
-        nproc_per_node: int = 1,
+        nproc_per_node: int | None = None,
         env: Mapping[str, str] | None = None,
         backend: str | None = None,
         runtime: str | None = None,
@@ -132,17 +176,21 @@ class DistributedTrainingOperator(BaseOperator):
         track: bool = True,
         mlflow_tracking_uri: str | None = None,
         mlflow_experiment: str | None = None,
+        namespace: str | None = None,
+        kubernetes_conn_id: str | None = None,
+        all_ranks_logs: bool = False,
+        max_preemptions: int = 3,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if deferrable is None:
             deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
         self.deferrable = bool(deferrable)
+        self.backend = backend or conf.get("torchrun", "default_backend", fallback="local")
         self.script = self._resolve_script(script)
         self.command = list(command) if command is not None else None
         self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
         self.env = dict(env) if isinstance(env, Mapping) else env
-        self.backend = backend or conf.get("torchrun", "default_backend", fallback="local")
         self.runtime = runtime
         self.num_nodes = num_nodes
         self.nproc_per_node = nproc_per_node
@@ -163,6 +211,14 @@ class DistributedTrainingOperator(BaseOperator):
         self.track = track
         self.mlflow_tracking_uri = mlflow_tracking_uri
         self.mlflow_experiment = mlflow_experiment
+        self.namespace = namespace
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.all_ranks_logs = all_ranks_logs
+        if isinstance(max_preemptions, bool) or not isinstance(max_preemptions, int) or max_preemptions < 0:
+            raise InvalidSpecError(
+                [f"max_preemptions must be a whole number >= 0, got {max_preemptions!r}"], self._where
+            )
+        self.max_preemptions = max_preemptions
         self._handle: GroupHandle | None = None
         self._backend_obj: Backend | None = None
         self._killed = False
@@ -170,6 +226,8 @@ class DistributedTrainingOperator(BaseOperator):
         # Parse time: everything that is not a template is checked now.
         self._spec(allow_templates=True)
         self._check_checkpoint_args()
+        if not is_templated(self.backend) and not is_templated(self.checkpoint_uri):
+            self._check_backend_fit(self._spec(allow_templates=True))
 
     # -- spec -------------------------------------------------------------------------------
     @property
@@ -178,7 +236,9 @@ class DistributedTrainingOperator(BaseOperator):
         return f"task {dag_id}.{self.task_id}"
 
     def _resolve_script(self, script: str | None) -> str | None:
-        if not isinstance(script, str) or is_templated(script) or os.path.isabs(script):
+        """Locally, a relative script is looked up here, then beside the DAG file. Elsewhere the
+        path is inside the image and left alone."""
+        if self.backend != "local" or not isinstance(script, str) or is_templated(script) or os.path.isabs(script):
             return script
         if Path(script).is_file():
             return str(Path(script).resolve())
@@ -188,11 +248,23 @@ class DistributedTrainingOperator(BaseOperator):
                 return str(beside_dag)
         return script
 
+    def _runtime(self) -> Runtime | None:
+        """The platform runtime (Kubernetes backend; an unknown name fails here, at parse time)."""
+        if self.backend != "kubernetes" or is_templated(self.runtime):
+            return None
+        from airflow_torchrun.runtimes import get_runtime
+
+        return get_runtime(self.runtime, where=self._where)
+
     def _spec(self, *, allow_templates: bool = False) -> GroupSpec:
         script = self._resolve_script(self.script) if not allow_templates else self.script
+        runtime = self._runtime()
+        nproc = self.nproc_per_node
+        if nproc is None:
+            nproc = runtime.nproc_per_node if runtime is not None else 1
         return GroupSpec.create(
             num_nodes=self.num_nodes,
-            nproc_per_node=self.nproc_per_node,
+            nproc_per_node=nproc,
             script=script,
             command=self.command,
             script_args=self.script_args,
@@ -214,11 +286,28 @@ class DistributedTrainingOperator(BaseOperator):
 
             options: dict[str, Any] = {}
             if self.backend == "local":
-                state_dir = conf.get("torchrun", "state_dir", fallback=None)
-                if state_dir:
-                    options["state_dir"] = state_dir
+                options["state_dir"] = state_dir()
+            elif self.backend == "kubernetes":
+                options = {
+                    "namespace": self.namespace,
+                    "kubernetes_conn_id": self.kubernetes_conn_id,
+                    "all_ranks_logs": self.all_ranks_logs,
+                }
             self._backend_obj = get_backend(self.backend, **options)
         return self._backend_obj
+
+    def _check_backend_fit(self, spec: GroupSpec) -> None:
+        """What a backend cannot do with these values, said before anything starts."""
+        if spec.backend == "kubernetes" and self.checkpoint_uri:
+            uri = self.checkpoint_uri
+            if not is_templated(uri) and (uri.startswith("file://") or uri.startswith("/")):
+                raise InvalidSpecError(
+                    [
+                        f"checkpoint_uri {uri!r} is a local path, which pods on other machines cannot share; "
+                        "give checkpoint_uri='s3://...' or set [torchrun] checkpoint_base to shared storage"
+                    ],
+                    self._where,
+                )
 
     def _check_checkpoint_args(self) -> None:
         from airflow_torchrun.checkpoint import parse_uri
@@ -240,13 +329,48 @@ class DistributedTrainingOperator(BaseOperator):
         if problems:
             raise InvalidSpecError(problems, self._where)
 
+    def _rank_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        """Storage access for the ranks. Local: the connection's credentials in their environment.
+        Kubernetes: never credentials in plain pod env (anyone who can read Jobs would see them);
+        pods get them from the runtime's Secrets or service account."""
+        from airflow_torchrun.checkpoint import storage_env
+
+        if self.backend != "kubernetes":
+            return storage_env(options)
+        public = {k: v for k, v in options.items() if k not in ("key", "secret", "token")}
+        if len(public) != len(options):
+            self.log.warning(
+                "Not passing the credentials of aws_conn_id=%s to the pods in plain text; give the runtime "
+                "env_from_secrets or a service account with access to the checkpoint bucket",
+                self.aws_conn_id,
+            )
+        return storage_env(public)
+
+    def contract_env_preview(self, context: Context) -> dict[str, str]:
+        """What :meth:`contract_env` will add, without I/O (for ``airflow-torchrun render``)."""
+        preview = {
+            "TRAIN_CHECKPOINT_URI": str(self.checkpoint_uri or self.default_checkpoint_uri(context)),
+            "TRAIN_RESUME_FROM": "<latest committed checkpoint, or empty on a fresh start>",
+            "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
+        }
+        if self.shard_manifest:
+            preview["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
+        if self.track:
+            from airflow_torchrun.tracking import resolve_tracking_uri
+
+            preview["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(self.mlflow_tracking_uri)
+            preview["MLFLOW_RUN_ID"] = "<created on the first try, reused by retries>"
+        return preview
+
     def default_checkpoint_uri(self, context: Context) -> str:
         """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run."""
         base = conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
-        ti = context["ti"]
-        task = ti.task_id if (ti.map_index is None or ti.map_index < 0) else f"{ti.task_id}-{ti.map_index}"
-        run = re.sub(r"[^A-Za-z0-9._=-]+", "_", ti.run_id)
-        return f"{base.rstrip('/')}/{ti.dag_id}/{run}/{task}"
+        ti = context.get("ti")
+        run_id = str(ti.run_id if ti is not None else context["run_id"])
+        map_index = ti.map_index if ti is not None else context.get("map_index", -1)
+        task = self.task_id if map_index is None or map_index < 0 else f"{self.task_id}-{map_index}"
+        run = re.sub(r"[^A-Za-z0-9._=-]+", "_", run_id)
+        return f"{base.rstrip('/')}/{self.dag_id}/{run}/{task}"
 
     def _storage_options(self) -> dict[str, Any]:
         from airflow_torchrun.checkpoint import storage_options_from_aws_connection
@@ -269,11 +393,17 @@ class DistributedTrainingOperator(BaseOperator):
         ``MLFLOW_TRACKING_URI``, ``MLFLOW_RUN_ID``; data: ``TRAIN_SHARD_MANIFEST``. Secrets travel
         only in the ranks' environment, never in logs, XCom or rendered fields.
         """
-        from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume, storage_env
+        from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume
 
         ti = context["ti"]
         env: dict[str, str] = {}
         uri = self.checkpoint_uri or self.default_checkpoint_uri(context)
+        if self.backend == "kubernetes" and uri.startswith("file://"):
+            self.log.warning(
+                "Checkpoints go to %s, a path inside each pod: a retry cannot resume from it. Set "
+                "checkpoint_uri='s3://...' or [torchrun] checkpoint_base to storage the pods share",
+                uri,
+            )
         self.checkpoint_uri = uri
         options = self._storage_options()
         store = CheckpointStore(uri, options)
@@ -284,7 +414,7 @@ class DistributedTrainingOperator(BaseOperator):
         else:
             self.log.info("Checkpoints: %s; resuming from %s (step %d)", uri, ref.uri, ref.step)
         ti.xcom_push(key="resumed_from", value={"uri": ref.uri, "step": ref.step} if ref else None)
-        env.update(storage_env(options))
+        env.update(self._rank_storage_env(options))
         env.update(
             {
                 "TRAIN_CHECKPOINT_URI": store.uri,
@@ -315,6 +445,7 @@ class DistributedTrainingOperator(BaseOperator):
     def execute(self, context: Context) -> dict[str, Any] | None:
         try:
             spec = self._spec()
+            self._check_backend_fit(spec)
         except InvalidSpecError as exc:
             raise AirflowFailException(str(exc)) from exc
         backend = self._get_backend()
@@ -323,22 +454,28 @@ class DistributedTrainingOperator(BaseOperator):
         except (StorageError, InvalidSpecError) as exc:
             # Nothing was launched: wrong credentials, a missing bucket or a bad URI need a fix, not a retry.
             raise AirflowFailException(f"{self._where}: {exc}") from exc
-        for attempt in range(1, PORT_RACE_RETRIES + 1):
-            handle = self._launch(context, spec, backend, extra_env)
+        handle = self._attach(context, spec, backend) or self._launch(context, spec, backend, extra_env)
+        launches = Relaunches()
+        while True:
             if self.deferrable:
-                self._defer_to_trigger(context, handle, attempt)
+                self._defer_to_trigger(context, handle, launches)
             try:
                 status = self._wait(backend, handle)
             finally:
                 # On success this only confirms nothing is left; on any error it stops the group.
                 backend.teardown(handle)
                 self._flush_logs(backend, handle)
-            if self._port_race(backend, handle, status, attempt):
-                continue
-            return self._finish(context, spec, backend, handle, status)
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+            why = launches.decide(backend, handle, status, self.max_preemptions)
+            if why is None:
+                return self._finish(context, spec, backend, handle, status)
+            self.log.warning(
+                "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
+            )
+            handle = self._launch(context, spec, backend, self.contract_env(context), relaunch=launches.count)
 
-    def execute_complete(self, context: Context, event: dict[str, Any], attempt: int = 1) -> dict[str, Any] | None:
+    def execute_complete(
+        self, context: Context, event: dict[str, Any], port_races: int = 0, preemptions: int = 0
+    ) -> dict[str, Any] | None:
         """Re-entry after the trigger fired: rebuild everything from the event, then finish as sync mode does."""
         from airflow_torchrun.triggers import GroupEvent, GroupEventStatus, backend_for_handle
 
@@ -361,21 +498,51 @@ class DistributedTrainingOperator(BaseOperator):
             raise AirflowException(f"Group {handle.group_id} was stopped: {group_event.reason}")
         if group_event.status is GroupEventStatus.PROGRESS_TIMEOUT:
             self.log.error("Group %s: %s", handle.group_id, group_event.reason)
-        if self._port_race(backend, handle, status, attempt):
-            handle = self._launch(context, spec, backend, self.contract_env(context))
-            self._defer_to_trigger(context, handle, attempt + 1)
+        launches = Relaunches(port_races=port_races, preemptions=preemptions)
+        why = launches.decide(backend, handle, status, self.max_preemptions)
+        if why is not None:
+            self.log.warning("Group %s: %s; relaunching", handle.group_id, why)
+            handle = self._launch(context, spec, backend, self.contract_env(context), relaunch=launches.count)
+            self._defer_to_trigger(context, handle, launches)
         return self._finish(context, spec, backend, handle, status)
 
-    def _launch(self, context: Context, spec: GroupSpec, backend: Backend, extra_env: Mapping[str, str]) -> GroupHandle:
+    def _identity(self, context: Context, relaunch: int = 0) -> GroupIdentity:
         ti = context["ti"]
-        identity = GroupIdentity(
+        return GroupIdentity(
             dag_id=ti.dag_id,
             task_id=ti.task_id,
             run_id=ti.run_id,
             try_number=ti.try_number,
             map_index=ti.map_index if ti.map_index is not None else -1,
+            relaunch=relaunch,
         )
-        plan = backend.plan(spec, identity, extra_env)
+
+    def _attach(self, context: Context, spec: GroupSpec, backend: Backend) -> GroupHandle | None:
+        """A group an earlier try of this task instance left running: attach to it (Kubernetes:
+        a restarted worker must not start a second group), or stop it (local)."""
+        identity = self._identity(context)
+        stop_earlier = getattr(backend, "stop_earlier_tries", None)
+        if callable(stop_earlier):
+            for group_id in stop_earlier(identity, spec.teardown_grace):
+                self.log.warning("Stopped group %s, left running by an earlier try of this task", group_id)
+        find = getattr(backend, "find_existing", None)
+        handle = find(identity, spec) if callable(find) else None
+        if handle is not None:
+            self._handle = handle
+            context["ti"].xcom_push(key="group", value=handle.to_dict())
+            self.log.info("Attaching to group %s, started by an earlier try of this task", handle.group_id)
+        return handle
+
+    def _launch(
+        self,
+        context: Context,
+        spec: GroupSpec,
+        backend: Backend,
+        extra_env: Mapping[str, str],
+        relaunch: int = 0,
+    ) -> GroupHandle:
+        ti = context["ti"]
+        plan = backend.plan(spec, self._identity(context, relaunch), extra_env)
         # In deferrable mode this process exits while the group runs: the group must not follow it.
         handle = backend.launch(plan, watch_caller=not self.deferrable)
         self._handle = handle
@@ -395,7 +562,7 @@ class DistributedTrainingOperator(BaseOperator):
             self.log.info("Group %s log: %s", handle.group_id, path)
         return handle
 
-    def _defer_to_trigger(self, context: Context, handle: GroupHandle, attempt: int) -> None:
+    def _defer_to_trigger(self, context: Context, handle: GroupHandle, launches: Relaunches) -> None:
         from airflow_torchrun.triggers import GroupTrigger
 
         deadline = None
@@ -410,21 +577,8 @@ class DistributedTrainingOperator(BaseOperator):
                 handle=handle.to_dict(), poll_interval=max(self.poll_interval, 1.0), deadline=deadline
             ),
             method_name="execute_complete",
-            kwargs={"attempt": attempt},
+            kwargs={"port_races": launches.port_races, "preemptions": launches.preemptions},
         )
-
-    def _port_race(self, backend: Backend, handle: GroupHandle, status: GroupStatus, attempt: int) -> bool:
-        """Node 0 lost its rendezvous port to another process: worth one more launch."""
-        if status.state is GroupState.SUCCEEDED or attempt >= PORT_RACE_RETRIES:
-            return False
-        port_in_use = getattr(backend, "port_in_use", None)
-        if not (callable(port_in_use) and port_in_use(handle)):
-            return False
-        self.log.warning(
-            "Group %s: its rendezvous port was taken by another process; relaunching on a new port",
-            handle.group_id,
-        )
-        return True
 
     def _finish(
         self, context: Context, spec: GroupSpec, backend: Backend, handle: GroupHandle, status: GroupStatus
