@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU build of torch (a bare `torch` resolves to a multi-GB CUDA build).
 TORCH_PIN := torch==2.13.0
+# The Airflow release this is tested on (the package accepts any 3.3+; unpinned, pip may settle lower).
+AIRFLOW_PIN := apache-airflow==3.3.2
 
 export AIRFLOW_HOME ?= $(CURDIR)/.state/airflow
 export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
@@ -17,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)
