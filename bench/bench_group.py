@@ -71,9 +71,18 @@ def bare_torchrun(script: Path, steps: int) -> float:
     procs = [
         subprocess.Popen(
             [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                f"--node-rank={n}", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-                "--max-restarts=0", "--monitor-interval=0.1", str(script),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={n}",
+                "--rdzv-backend=static",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--max-restarts=0",
+                "--monitor-interval=0.1",
+                str(script),
             ],
             env=env,
             stdout=subprocess.DEVNULL,
@@ -88,7 +97,7 @@ def bare_torchrun(script: Path, steps: int) -> float:
     return elapsed
 
 
-def write_dag(dag_id: str, script: Path, env: dict[str, str]) -> object:
+def write_dag(dag_id: str, script: Path, env: dict[str, str], extra: str = "") -> object:
     import importlib.util
 
     dags = WORK / "dags"
@@ -98,11 +107,12 @@ def write_dag(dag_id: str, script: Path, env: dict[str, str]) -> object:
         textwrap.dedent(
             f"""
             import pendulum
+            from datetime import timedelta
             from airflow.sdk import DAG
             from airflow_torchrun import DistributedTrainingOperator
             with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
                 DistributedTrainingOperator(task_id="train", script={str(script)!r}, num_nodes=2,
-                                            nproc_per_node=1, env={env!r}, retries=0)
+                                            nproc_per_node=1, env={env!r}, {extra or "retries=0"})
             """
         )
     )
@@ -201,8 +211,9 @@ def main() -> None:
         print(f"{key:<34}{value:>10.3f}" if isinstance(value, float) else f"{key:<34}{value:>10}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_group.json").write_text(json.dumps({"raw": {"bare": bare, "task": task, "whole": whole,
-                                                              "kill": kill}, **results}, indent=2))
+    (out / "bench_group.json").write_text(
+        json.dumps({"raw": {"bare": bare, "task": task, "whole": whole, "kill": kill}, **results}, indent=2)
+    )
 
 
 if __name__ == "__main__":
