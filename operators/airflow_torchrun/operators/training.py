@@ -367,8 +367,9 @@ class DistributedTrainingOperator(BaseOperator):
         base = conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
         ti = context.get("ti")
         run_id = str(ti.run_id if ti is not None else context["run_id"])
-        map_index = ti.map_index if ti is not None else context.get("map_index", -1)
-        task = self.task_id if map_index is None or map_index < 0 else f"{self.task_id}-{map_index}"
+        raw_index = ti.map_index if ti is not None else context.get("map_index", -1)
+        map_index = int(raw_index) if isinstance(raw_index, int) else -1
+        task = self.task_id if map_index < 0 else f"{self.task_id}-{map_index}"
         run = re.sub(r"[^A-Za-z0-9._=-]+", "_", run_id)
         return f"{base.rstrip('/')}/{self.dag_id}/{run}/{task}"
 
