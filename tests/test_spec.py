@@ -103,3 +103,20 @@ def test_bad_spec_is_a_dag_import_error(args, expected, airflow_db, tmp_path, ti
     (error,) = bag.import_errors.values()
     assert "Invalid torchrun group spec for task bad_spec.train" in error
     assert expected in error
+
+
+def test_parsing_a_dag_imports_no_torch_kubernetes_s3fs_or_mlflow(airflow_db):
+    """STYLE 12: the DAG processor parses DAGs all day; the heavy libraries load only where used."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (
+        "import sys, runpy\n"
+        f"runpy.run_path({str(ROOT / 'dags' / 'torchrun_pipeline.py')!r})\n"
+        "heavy = [m for m in ('torch', 'kubernetes', 'kubernetes_asyncio', 's3fs', 'mlflow') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "HEAVY []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

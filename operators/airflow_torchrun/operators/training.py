@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_torchrun.checkpoint import RESUME_AUTO, RESUME_NEVER
 from airflow_torchrun.compat import AirflowException, AirflowFailException, AirflowTaskTimeout, BaseOperator, conf
 from airflow_torchrun.errors import InvalidSpecError, StorageError
 from airflow_torchrun.links import MLFLOW_RUN_URL_KEY, MlflowRunLink
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
     from airflow_torchrun.compat import Context
     from airflow_torchrun.runtimes import Runtime
 
-RESUME_AUTO = "auto"
-RESUME_NEVER = "never"
 PORT_RACE_RETRIES = 3
 HEARTBEAT_SECONDS = 60.0
 
