@@ -111,7 +111,8 @@ def _print_summary(s: dict[str, Any], log: Path) -> None:
         print(f"               group logs {train['log_dir']}")
         print(f"               MLflow run {train['mlflow_run_id']}")
     if s["evaluate"]:
-        print("Evaluation     " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(s["evaluate"].items())))
+        shown = (f"{k}={int(v)}" if float(v).is_integer() else f"{k}={v:.4f}" for k, v in sorted(s["evaluate"].items()))
+        print("Evaluation     " + ", ".join(shown))
     reg = s["register"]
     if reg:
         print(f"Registered     {reg['name']} version {reg['version']}, aliases {', '.join(reg['aliases'])}")
