@@ -1,0 +1,208 @@
+"""The pipeline DAG as a user drives it: ``airflow standalone``, its REST API and its web UI.
+
+One ``airflow standalone`` (SQLite, LocalExecutor) serves the repository's ``dags/`` folder for the
+module, with the state dir (shards, checkpoints, the MLflow store) in a temporary folder:
+
+- REST: a trigger whose conf breaks a Param's bounds is refused (400, naming the Param) and
+  creates no DAG run;
+- REST: a valid trigger runs the whole pipeline to success through the planned failure of the
+  first training try; the task instances, XComs and the "MLflow run" extra link tell the story;
+- UI (headless Chromium driven by playwright): after logging in, the DAG's trigger form offers
+  every Param with its default and bounds, and a value out of bounds is refused with the
+  server's message, creating no run.
+
+The UI test needs ``/usr/bin/chromium`` (Debian's ``chromium``) and the ``playwright`` package;
+without either it is skipped locally, and fails under CI (``CI`` set), which installs both.
+Playwright never downloads a browser here. Slow (about a minute on two cores, most of it the
+pipeline run): ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.standalone import Standalone, start_standalone
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+DAG_ID = "torchrun_pipeline"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# Distinctive, so the extra link shows it comes from [torchrun] mlflow_ui_url.
+MLFLOW_UI_URL = "http://mlflow.example.test:5000"
+RUN_DEADLINE_S = 300.0
+# name -> (ARIA role of its field, default the form shows, (minimum, maximum) the field enforces or None)
+PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox"], str, tuple[str, str] | None]] = {
+    "num_nodes": ("spinbutton", "2", ("1", "8")),
+    "nproc_per_node": ("spinbutton", "1", ("1", "8")),
+    "epochs": ("spinbutton", "5", ("1", "200")),
+    "learning_rate": ("spinbutton", "0.003", None),  # exclusiveMinimum: the form leaves it to the server
+    "backend": ("combobox", "local", None),
+    "quality_gate": ("textbox", '"accuracy": ">= 0.9"', None),  # a JSON editor
+    "fail_at_step": ("spinbutton", "0", None),
+}
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
+    root = tmp_path_factory.mktemp("pipeline-ui")
+    extra = {"AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL}
+    with start_standalone(root, ROOT / "dags", DAG_ID, "train", extra_env=extra) as server:
+        yield server
+
+
+def _runs(server: Standalone) -> set[str]:
+    """The ids of the DAG's runs."""
+    return {r["dag_run_id"] for r in server.ok("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=1000")["dag_runs"]}
+
+
+def _xcom(server: Standalone, run_id: str, task_id: str, key: str = "return_value") -> Any:
+    path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/xcomEntries/{key}"
+    return server.ok("GET", path)["value"]
+
+
+def _missing_browser() -> str | None:
+    """Why the browser test cannot run here, or None."""
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing: apt-get install chromium chromium-driver (.ci/run does)"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is missing: pip install -e '.[dev]' (PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1)"
+    return None
+
+
+def _log(server: Standalone, run_id: str, task_id: str, try_number: int) -> str:
+    path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}/taskInstances/{task_id}/logs/{try_number}"
+    content = server.ok("GET", f"{path}?full_content=true")["content"]
+    return "\n".join(str(line.get("event", line)) if isinstance(line, dict) else str(line) for line in content)
+
+
+@pytest.mark.parametrize(
+    ("conf", "param"),
+    [({"num_nodes": 0}, "num_nodes"), ({"learning_rate": -1}, "learning_rate"), ({"backend": "slurm"}, "backend")],
+)
+def test_rest_trigger_out_of_bounds_is_refused_and_creates_no_run(
+    airflow: Standalone, conf: dict[str, Any], param: str
+) -> None:
+    before = _runs(airflow)
+    code, body = airflow.request("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
+    assert code == 400, f"expected 400 for conf {conf}, got {code}: {body}"
+    assert f"Invalid input for param {param}" in str(body), body
+    assert _runs(airflow) == before, "a refused trigger must create no DAG run"
+
+
+def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
+    airflow: Standalone, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = _missing_browser()
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"CI must run the UI test: {missing}")
+    if missing:
+        pytest.skip(missing)
+    monkeypatch.setenv("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    from playwright.sync_api import expect, sync_playwright
+
+    declared = airflow.ok("GET", f"/api/v2/dags/{DAG_ID}/details")["params"]
+    assert sorted(declared) == sorted(PARAMS), "the DAG declares other Params than this test checks"
+    before = _runs(airflow)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1400})
+            page.set_default_timeout(60_000)
+            page.goto(f"{airflow.base_url}/dags/{DAG_ID}")
+            # Not logged in: the simple auth manager's sign-in page, then back to the DAG.
+            page.get_by_label("Username").fill(airflow.username)
+            page.get_by_label("Password").fill(airflow.password)
+            page.get_by_role("button", name="Sign in").click()
+            page.wait_for_url(f"**/dags/{DAG_ID}")
+
+            page.get_by_role("button", name="Trigger Dag").click()
+            form = page.get_by_role("dialog")
+            expect(form.get_by_role("heading", name=f"Trigger Dag - {DAG_ID}")).to_be_visible()
+            expect(form.get_by_role("button", name="Run Parameters")).to_have_attribute("aria-expanded", "true")
+            for name, (role, default, bounds) in PARAMS.items():
+                # One labelled field per Param, with the Param's description under it.
+                row = form.get_by_role("group").filter(has_text=declared[name]["description"])
+                expect(row).to_have_count(1)
+                expect(row).to_contain_text(name)
+                if role == "spinbutton":
+                    field = row.get_by_role("spinbutton", name=name)
+                    expect(field).to_have_value(default)
+                    if bounds is not None:
+                        expect(field).to_have_attribute("aria-valuemin", bounds[0])
+                        expect(field).to_have_attribute("aria-valuemax", bounds[1])
+                else:
+                    expect(row.get_by_role(role)).to_have_count(1)
+                    expect(row).to_contain_text(default)
+            page.screenshot(path=str(tmp_path / "trigger-form.png"))
+
+            # Leave the DAG as it is whatever happens: the form unpauses it on trigger by default.
+            form.get_by_text(f"Unpause {DAG_ID} on trigger").click()
+            # The form clamps a number to its bounds when the field loses focus: 0 nodes becomes 1.
+            nodes = form.get_by_role("spinbutton", name="num_nodes")
+            nodes.fill("0")
+            nodes.blur()
+            expect(nodes).to_have_value("1")
+            # It knows no exclusiveMinimum, so -1 reaches the server, which refuses it.
+            form.get_by_role("spinbutton", name="learning_rate").fill("-1")
+            form.get_by_role("button", name="Trigger", exact=True).click()
+            expect(form.get_by_text("Invalid input for param learning_rate")).to_be_visible()
+            page.screenshot(path=str(tmp_path / "trigger-refused.png"))
+        finally:
+            browser.close()
+    print(f"screenshots: {tmp_path}")
+    assert _runs(airflow) == before, "a trigger the server refused must create no DAG run"
+    assert airflow.ok("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"], "the form was told not to unpause the DAG"
+
+
+def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Standalone) -> None:
+    airflow.unpause()
+    # A gate two epochs pass (about 0.87 accuracy), so the run also shows the object Param arriving.
+    run_id = airflow.trigger({"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}})
+    state = airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
+    run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}"
+    tis = airflow.ok("GET", f"{run_path}/taskInstances")["task_instances"]
+    states = {t["task_id"]: (t["state"], t["try_number"]) for t in tis}
+    assert state == "success", f"{states}\n{airflow.task_log(run_id, task_id='train')[-4000:]}"
+    assert states == {
+        "export_dataset": ("success", 1),
+        "shard": ("success", 1),
+        "train": ("success", 2),  # rank 1 killed at step 30 on purpose in try 1
+        "evaluate": ("success", 1),
+        "register": ("success", 1),
+    }
+    tries = airflow.ok("GET", f"{run_path}/taskInstances/train/tries")["task_instances"]
+    assert [(t["try_number"], t["state"]) for t in tries] == [(1, "failed"), (2, "success")]
+    # What the UI's log view shows for each try, through the same endpoint.
+    first, second = (_log(airflow, run_id, "train", n) for n in (1, 2))
+    assert "rank 1" in first and "killed by signal SIGKILL" in first, first[-4000:]
+    assert "resuming from file://" in second and "(step 20)" in second, second[-4000:]
+
+    train = _xcom(airflow, run_id, "train")
+    assert train["final_checkpoint"].startswith(train["checkpoint_uri"]), train
+    assert train["mlflow_run_id"], train
+    register = _xcom(airflow, run_id, "register")
+    assert register["version"] >= 1 and "candidate" in register["aliases"], register
+    assert register["run_id"] == train["mlflow_run_id"], register
+
+    links = airflow.ok("GET", f"{run_path}/taskInstances/train/links")["extra_links"]
+    link = links.get("MLflow run")
+    assert link, f"no 'MLflow run' link on the train task: {links}"
+    assert link.startswith(f"{MLFLOW_UI_URL}/#/experiments/"), link
+    assert link.endswith(f"/runs/{train['mlflow_run_id']}"), link
