@@ -28,6 +28,7 @@ TRAINER = Path(__file__).resolve().parent.parent / "images" / "trainer"
 # Locally the scripts are read from this repository; on Kubernetes from the trainer image.
 SCRIPTS = "{{ '/opt/trainer' if params.backend == 'kubernetes' else '" + str(TRAINER) + "' }}"
 MODEL_NAME = "digits-mlp"
+GATE_CONDITION = r"^\s*(>=|>|<=|<)\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
 CHECKPOINT_ASSET = Asset(name="digits-mlp-checkpoint", uri="torchrun://checkpoints/torchrun_pipeline/train")
 MODEL_ASSET = Asset(name="digits-mlp-model", uri=f"mlflow://models/{MODEL_NAME}")
 
@@ -44,12 +45,17 @@ with DAG(
         "num_nodes": Param(2, type="integer", minimum=1, maximum=8, description="torchrun agents (nodes)"),
         "nproc_per_node": Param(1, type="integer", minimum=1, maximum=8, description="ranks per node"),
         "epochs": Param(5, type="integer", minimum=1, maximum=200, description="passes over the training shards"),
-        "learning_rate": Param(0.003, type="number", exclusiveMinimum=0, maximum=1, description="Adam learning rate"),
-        "backend": Param("local", enum=["local", "kubernetes"], description="where the training group runs"),
+        "learning_rate": Param(0.003, type="number", minimum=1e-6, maximum=1, description="Adam learning rate"),
+        "backend": Param(
+            "local", type="string", enum=["local", "kubernetes"], description="where the training group runs"
+        ),
         "quality_gate": Param(
             {"accuracy": ">= 0.9"},
             type="object",
-            description="metric -> condition the evaluation must pass for the model to be registered",
+            minProperties=1,
+            # Checked when the run is triggered, not after the training: "<op> <number>" per metric.
+            additionalProperties={"type": "string", "pattern": GATE_CONDITION},
+            description='metric -> condition to pass for the model to be registered, e.g. {"accuracy": ">= 0.9"}',
         ),
         "fail_at_step": Param(
             0,

@@ -105,7 +105,13 @@ def test_a_failing_gate_skips_registration(home):
 
 @pytest.mark.parametrize(
     ("conf", "expected"),
-    [({"num_nodes": 0}, "num_nodes"), ({"learning_rate": -1}, "learning_rate"), ({"backend": "slurm"}, "backend")],
+    [
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"learning_rate": -1}, "learning_rate"),
+        ({"backend": "slurm"}, "backend"),
+        ({"quality_gate": {"accuracy": "about 0.9"}}, "quality_gate"),
+        ({"quality_gate": {}}, "quality_gate"),
+    ],
 )
 def test_params_out_of_bounds_are_refused_before_work_starts(home, conf, expected):
     result = airflow(home, "dags", "test", DAG_ID, "-c", json.dumps(conf))

@@ -39,7 +39,12 @@ CONFIG_OPTIONS = {
         None,
         "http://mlflow.ml.svc:5000",
     ),
-    "mlflow_ui_url": _option("Base URL of the MLflow UI, for the task's 'MLflow run' link.", "http://localhost:5000"),
+    "mlflow_ui_url": _option(
+        "Base URL of the MLflow UI, for the task's 'MLflow run' link. Default: the tracking server when the "
+        "tracking URI is http(s), else http://localhost:5000.",
+        None,
+        "https://mlflow.example.com",
+    ),
     "runtimes_file": _option(
         "YAML file of named runtimes for the Kubernetes backend.", None, "/opt/airflow/config/torchrun-runtimes.yaml"
     ),
