@@ -498,7 +498,14 @@ class DistributedTrainingOperator(BaseOperator):
             raise AirflowException(f"Group {handle.group_id} was stopped: {group_event.reason}")
         if group_event.status is GroupEventStatus.PROGRESS_TIMEOUT:
             self.log.error("Group %s: %s", handle.group_id, group_event.reason)
-        launches = Relaunches(port_races=port_races, preemptions=preemptions)
+        # The real triggerer hands back the kwargs of defer(); dag.test() only the event: the
+        # counters also travel in an XCom of this try, so a runner that drops them cannot make
+        # the relaunches endless.
+        stored = context["ti"].xcom_pull(task_ids=self.task_id, key="relaunches") or {}
+        launches = Relaunches(
+            port_races=max(port_races, int(stored.get("port_races", 0))),
+            preemptions=max(preemptions, int(stored.get("preemptions", 0))),
+        )
         why = launches.decide(backend, handle, status, self.max_preemptions)
         if why is not None:
             self.log.warning("Group %s: %s; relaunching", handle.group_id, why)
@@ -571,13 +578,15 @@ class DistributedTrainingOperator(BaseOperator):
             started = context["ti"].start_date
             start = started.timestamp() if started is not None else handle.launched_at
             deadline = start + self.execution_timeout.total_seconds()
+        counters = {"port_races": launches.port_races, "preemptions": launches.preemptions}
+        context["ti"].xcom_push(key="relaunches", value=counters)
         self.log.info("Group %s: deferring; the triggerer watches it from now on", handle.group_id)
         self.defer(
             trigger=GroupTrigger(
                 handle=handle.to_dict(), poll_interval=max(self.poll_interval, 1.0), deadline=deadline
             ),
             method_name="execute_complete",
-            kwargs={"port_races": launches.port_races, "preemptions": launches.preemptions},
+            kwargs=counters,
         )
 
     def _finish(
@@ -634,8 +643,6 @@ class DistributedTrainingOperator(BaseOperator):
         last_heartbeat = time.monotonic()
         last_state: tuple[str, ...] = ()
         while True:
-            if self._killed:
-                raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
             nodes = backend.observe(handle)
             status = group_status(
                 nodes, launched_at=handle.launched_at, now=time.time(), startup_timeout=handle.startup_timeout
@@ -645,6 +652,10 @@ class DistributedTrainingOperator(BaseOperator):
             if phases != last_state:
                 self.log.info("Group %s nodes: %s", handle.group_id, ", ".join(phases))
                 last_state = phases
+            # After the look, not before: on_kill runs in a signal handler, often in the middle of
+            # it, and what the look then sees (a deleted Job, stopped ranks) is on_kill's teardown.
+            if self._killed:
+                raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
             if status.state.terminal:
                 if status.state is not GroupState.SUCCEEDED:
                     self.log.error("Group %s %s: %s", handle.group_id, status.state.value, status.reason)
