@@ -3,46 +3,73 @@
 An autopilot thread plays scheduler, kubelet and Job controller: whenever a Job appears it creates
 its pods, runs them, writes their logs and ends them the way the scenario says. The task talks to
 the fake through the Airflow connection ``kubernetes_default`` (defined in the environment).
+Scenarios: success, OOM with retries, missing image, deferred; preemption relaunched within the
+try (sync and deferred) and its budget; a restarted task attaching to its group; on_kill.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from airflow_torchrun.backends.k8s_render import GROUP_LABEL, INSTANCE_LABEL
+from airflow_torchrun.backends.kubernetes import KubernetesBackend
+from airflow_torchrun.checkpoint import CheckpointStore
+from airflow_torchrun.wiring import GroupIdentity
+from tests.conftest import DagResult
+
 from .conftest import NAMESPACE
-from .fake_api import FakeKubeAPI
+from .fake_api import Call, FakeKubeAPI
 
 NS = "default"  # the operator's namespace when none is configured
 
 
 class Autopilot:
-    """Drives every new Job of the fake through one scenario."""
+    """Drives every new Job of the fake through one scenario.
 
-    def __init__(self, fake: FakeKubeAPI, scenario: Callable[[FakeKubeAPI, str], None]) -> None:
-        self.fake, self.scenario = fake, scenario
+    Past ``max_jobs`` Jobs (a runaway relaunch loop) a Job's image is missing, which fails the
+    task without retry: such a bug ends in seconds, with the Job count in the assertions. A
+    scenario that raises is recorded and fails the test on exit.
+    """
+
+    def __init__(self, fake: FakeKubeAPI, scenario: Callable[[FakeKubeAPI, str], None], max_jobs: int = 4) -> None:
+        self.fake, self.scenario, self.max_jobs = fake, scenario, max_jobs
         self.seen: list[str] = []
+        self._uids: set[str] = set()
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for (resource, ns, name), _ in list(self.fake.objects.items()):
-                if resource == "jobs" and ns == NS and name not in self.seen:
+            for (resource, ns, name), obj in list(self.fake.objects.items()):
+                uid = obj["metadata"]["uid"]  # by uid: a Job created again under a used name is new
+                if resource == "jobs" and ns == NS and uid not in self._uids:
+                    self._uids.add(uid)
                     self.seen.append(name)
-                    self.scenario(self.fake, name)
+                    scenario = self.scenario if len(self.seen) <= self.max_jobs else missing_image
+                    try:
+                        scenario(self.fake, name)
+                    except Exception as exc:  # keep driving the other Jobs; the test fails on exit
+                        self.errors.append(f"{name}: {exc!r}")
             self._stop.wait(0.05)
 
     def __enter__(self) -> Autopilot:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if exc_type is None and self.errors:
+            raise AssertionError(f"the autopilot failed: {self.errors}")
 
 
 def succeed(fake: FakeKubeAPI, job: str) -> None:
@@ -141,3 +168,194 @@ def test_deferred_task_is_watched_by_the_trigger_through_the_async_hook(cluster:
     (job,) = created_jobs(cluster)
     assert any(c.method == "DELETE" and c.path.endswith(f"/jobs/{job}") for c in cluster.calls)
     assert any(c.is_watch for c in cluster.calls)
+
+
+# -- preemption, reattach, on_kill ---------------------------------------------------------------
+PREEMPTED = ("PreemptionByScheduler", "Preempted in order to admit critical pod")
+
+
+def task(**extra: object) -> str:
+    """``TASK`` with more arguments; ``startup_timeout`` keeps a group nobody drives from hanging a test."""
+    args = {"startup_timeout": 20, **extra}
+    return TASK.replace("track=False,", "track=False," + "".join(f"\n    {k}={v!r}," for k, v in args.items()))
+
+
+def trainer_env(job: dict[str, Any]) -> dict[str, str]:
+    """The plain environment of a Job's trainer container (what every rank starts with)."""
+    (trainer,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+    return {e["name"]: e["value"] for e in trainer.get("env", []) if "value" in e}
+
+
+def posted_jobs(fake: FakeKubeAPI) -> list[dict[str, Any]]:
+    return [c.body for c in fake.calls if c.method == "POST" and c.path.endswith("/jobs")]
+
+
+def preempt(fake: FakeKubeAPI, job: str) -> None:
+    """The group runs and commits a checkpoint, then the scheduler preempts node 0: its peer loses
+    it and fails too, and the Job's podFailurePolicy (DisruptionTarget rule) fails the Job."""
+    fake.create_pods(NS, job)
+    fake.set_running(NS, job)
+    store = CheckpointStore(trainer_env(fake.job(NS, job))["TRAIN_CHECKPOINT_URI"])
+    step = 5 * len(posted_jobs(fake))  # launch n "trained" up to step 5n
+    Path(store.step_path(step)).mkdir(parents=True, exist_ok=True)
+    Path(store.step_path(step), "state.pt").write_bytes(b"weights")
+    store.commit(step)
+    pod0 = fake.pod(NS, job, 0)["metadata"]["name"]
+    fake.add_log(pod0, f"[node 0 rank 0] checkpoint step {step} committed")
+    time.sleep(0.3)
+    fake.set_terminated(NS, job, 0, exit_code=143, reason="Error", disruption=PREEMPTED)
+    fake.set_terminated(NS, job, 1, exit_code=1, reason="Error", finished_offset=1)
+    fake.fail_job(
+        NS, job, "PodFailurePolicy", f"Pod {NS}/{pod0} has condition DisruptionTarget matching FailJob rule at index 1"
+    )
+
+
+def preempt_first_launch(fake: FakeKubeAPI, job: str) -> None:
+    (succeed if job.endswith("-r1") else preempt)(fake, job)
+
+
+def keep_running(fake: FakeKubeAPI, job: str) -> None:
+    fake.create_pods(NS, job)
+    fake.set_running(NS, job)
+    fake.add_log(fake.pod(NS, job, 0)["metadata"]["name"], "[node 0 rank 0] step 1 loss 0.50")
+
+
+def wait_for_call(fake: FakeKubeAPI, match: Callable[[Call], bool], *, after: int = 0, timeout: float = 10.0) -> int:
+    """Index of the first call at or after ``after`` that matches, -1 if none came in time."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for i, call in enumerate(list(fake.calls)[after:], start=after):
+            if match(call):
+                return i
+        time.sleep(0.02)
+    return -1
+
+
+def try_number(result: DagResult, task_id: str = "train") -> int:
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        ti = session.scalars(
+            select(TaskInstance).where(
+                TaskInstance.dag_id == result.dag_id,
+                TaskInstance.run_id == result.run_id,
+                TaskInstance.task_id == task_id,
+            )
+        ).one()
+        return int(ti.try_number)
+
+
+def foreground_deletes(fake: FakeKubeAPI, job: str) -> list[int]:
+    """Indexes of the DELETE calls of ``job``, every one with propagationPolicy Foreground."""
+    deletes = [i for i, c in enumerate(fake.calls) if c.method == "DELETE" and c.path.endswith(f"/jobs/{job}")]
+    assert all(fake.calls[i].propagation_policy == "Foreground" for i in deletes), [fake.calls[i] for i in deletes]
+    return deletes
+
+
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_preempted_group_is_relaunched_within_the_same_try_and_resumes(
+    cluster: FakeKubeAPI, run_dag, deferrable: bool
+) -> None:
+    with Autopilot(cluster, preempt_first_launch):
+        result = run_dag(task(retries=0, deferrable=deferrable))
+    assert result.task_states == {"train": "success"}, result.log[-3000:]
+    assert try_number(result) == 1  # no Airflow retry spent (and retries=0 could not have saved it)
+    first, second = created_jobs(cluster)
+    assert first.endswith("-t1") and second == f"{first}-r1"
+    # The preempted Job was deleted (Foreground) before its replacement was created.
+    creates = [i for i, c in enumerate(cluster.calls) if c.method == "POST" and c.path.endswith("/jobs")]
+    assert creates[0] < foreground_deletes(cluster, first)[0] < creates[1]
+    assert foreground_deletes(cluster, second)  # and the relaunched one once it succeeded
+    assert "preemption 1 of max_preemptions=3" in result.log
+    assert "Preempted (PreemptionByScheduler): Preempted in order to admit critical pod" in result.log
+    # The relaunch resumes from what the preempted group committed, in the same checkpoint location.
+    env1, env2 = (trainer_env(job) for job in posted_jobs(cluster))
+    assert env1["TRAIN_RESUME_FROM"] == ""
+    assert env2["TRAIN_CHECKPOINT_URI"] == env1["TRAIN_CHECKPOINT_URI"]
+    assert env2["TRAIN_RESUME_FROM"] == CheckpointStore(env1["TRAIN_CHECKPOINT_URI"]).step_uri(5)
+    assert result.xcom("train")["group_id"] == second
+
+
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_preemptions_past_max_preemptions_fail_the_task(cluster: FakeKubeAPI, run_dag, deferrable: bool) -> None:
+    with Autopilot(cluster, preempt):
+        result = run_dag(task(retries=0, max_preemptions=1, deferrable=deferrable))
+    assert result.task_states == {"train": "failed"}
+    assert try_number(result) == 1
+    jobs = created_jobs(cluster)
+    assert len(jobs) == 2 and jobs[1] == f"{jobs[0]}-r1"  # one relaunch, then no more
+    for job in jobs:
+        assert foreground_deletes(cluster, job)
+    assert not [k for k in cluster.objects if k[0] in ("jobs", "pods")]  # nothing left running
+    # The task's error is the last group's preemption; the log says the one relaunch spent the budget.
+    assert f"Training group {jobs[1]} failed: node 0 was killed by SIGTERM (Preempted (PreemptionByScheduler)" in (
+        result.log
+    ), result.log[-3000:]
+    assert "preemption 1 of max_preemptions=1" in result.log
+
+
+def leave_group_behind(**context: Any) -> None:
+    """What a worker that died after launching left behind: try 1's group of ``train``, running.
+
+    An upstream task of the same DAG run, because only the run knows its ``run_id``; the Job it
+    launches is the one try 1 of ``train`` would have launched (same backend, same plan).
+    """
+    ti = context["ti"]
+    train = context["dag"].get_task("train")
+    backend = KubernetesBackend(namespace=train.namespace, kubernetes_conn_id=train.kubernetes_conn_id)
+    identity = GroupIdentity(dag_id=ti.dag_id, task_id="train", run_id=ti.run_id, try_number=1)
+    backend.launch(backend.plan(train._spec(), identity, {}))
+
+
+def test_a_restarted_task_attaches_to_the_group_it_left_running(cluster: FakeKubeAPI, run_dag) -> None:
+    def finish_once_attached(fake: FakeKubeAPI, job: str) -> None:
+        keep_running(fake, job)
+        # Complete only after the task looked for its group and then watched this one's pods.
+        found = wait_for_call(fake, lambda c: INSTANCE_LABEL in c.query.get("labelSelector", ""))
+        if found < 0 or wait_for_call(fake, lambda c: GROUP_LABEL in c.query.get("labelSelector", ""), after=found) < 0:
+            fake.set_terminated(NS, job, None, exit_code=1, reason="Error")  # nobody attached: fail fast
+            return
+        time.sleep(0.3)
+        fake.set_terminated(NS, job, None, exit_code=0, reason="Completed")
+
+    body = 'left = PythonOperator(task_id="worker_that_died", python_callable=leave_group_behind)\n'
+    body += task().strip() + " << left\n"
+    imports = (
+        "from airflow.providers.standard.operators.python import PythonOperator\n"
+        "from tests.k8s.test_operator_k8s import leave_group_behind"
+    )
+    with Autopilot(cluster, finish_once_attached):
+        result = run_dag(body, imports=imports, **RETRY_ONCE)
+    assert result.task_states == {"worker_that_died": "success", "train": "success"}, result.log[-3000:]
+    assert try_number(result) == 1
+    (job,) = created_jobs(cluster)  # the one left behind
+    assert job.endswith("-t1")
+    lookup = next(i for i, c in enumerate(cluster.calls) if INSTANCE_LABEL in c.query.get("labelSelector", ""))
+    assert not [c for c in cluster.calls[lookup:] if c.method == "POST"]  # the task created nothing
+    assert f"Attaching to group {job}" in result.log
+    assert result.xcom("train")["group_id"] == job
+    assert "[node 0 rank 0] step 1 loss 0.50" in result.log  # the attached group's log streamed
+    assert foreground_deletes(cluster, job)
+
+
+def test_on_kill_deletes_the_group(cluster: FakeKubeAPI, run_dag) -> None:
+    def kill_once_watched(fake: FakeKubeAPI, job: str) -> None:
+        keep_running(fake, job)
+        if wait_for_call(fake, lambda c: c.is_watch and c.query.get("labelSelector") == f"{GROUP_LABEL}={job}") < 0:
+            raise AssertionError(f"the task never watched {job}")
+        # What Airflow's task runner receives when the task is cleared or marked failed in the UI.
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with Autopilot(cluster, kill_once_watched):
+        result = run_dag(task(retries=0))
+    assert result.task_states == {"train": "failed"}
+    (job,) = created_jobs(cluster)
+    assert f"on_kill: tearing down group {job}" in result.log
+    # on_kill's delete, then the task's own teardown finding nothing left (without on_kill's
+    # delete there would be only the second); the task says it was killed, not that a rank failed.
+    assert len(foreground_deletes(cluster, job)) == 2
+    assert f"Group {job} was stopped: the task was killed (on_kill)" in result.log
+    assert "no longer exists" not in result.log
+    assert not [k for k in cluster.objects if k[0] in ("jobs", "pods", "services")]
