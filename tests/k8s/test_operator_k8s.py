@@ -294,6 +294,7 @@ def test_preemptions_past_max_preemptions_fail_the_task(cluster: FakeKubeAPI, ru
         result.log
     ), result.log[-3000:]
     assert "preemption 1 of max_preemptions=1" in result.log
+    assert "its preemption budget is spent (1 relaunch(es), max_preemptions=1); failing this try" in result.log
 
 
 def leave_group_behind(**context: Any) -> None:

@@ -45,6 +45,7 @@ class Relaunches:
 
     port_races: int = 0
     preemptions: int = 0
+    refused: str | None = None  # why a disrupted group is *not* relaunched (its budget is spent)
 
     @property
     def count(self) -> int:
@@ -61,7 +62,11 @@ class Relaunches:
         why = preemption(status) if callable(preemption) else None
         if why:
             if self.preemptions >= max_preemptions:
-                return None  # the failure explains itself; the budget is in the log above
+                self.refused = (
+                    f"the group was disrupted ({why}) but its preemption budget is spent "
+                    f"({self.preemptions} relaunch(es), max_preemptions={max_preemptions}); failing this try"
+                )
+                return None
             self.preemptions += 1
             return (
                 f"the group was disrupted ({why}), preemption {self.preemptions} of max_preemptions={max_preemptions}"
@@ -467,6 +472,8 @@ class DistributedTrainingOperator(BaseOperator):
                 self._flush_logs(backend, handle)
             why = launches.decide(backend, handle, status, self.max_preemptions)
             if why is None:
+                if launches.refused:
+                    self.log.warning("Group %s: %s", handle.group_id, launches.refused)
                 return self._finish(context, spec, backend, handle, status)
             self.log.warning(
                 "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
@@ -507,6 +514,8 @@ class DistributedTrainingOperator(BaseOperator):
             preemptions=max(preemptions, int(stored.get("preemptions", 0))),
         )
         why = launches.decide(backend, handle, status, self.max_preemptions)
+        if launches.refused:
+            self.log.warning("Group %s: %s", handle.group_id, launches.refused)
         if why is not None:
             self.log.warning("Group %s: %s; relaunching", handle.group_id, why)
             handle = self._launch(context, spec, backend, self.contract_env(context), relaunch=launches.count)
