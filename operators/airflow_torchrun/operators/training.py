@@ -459,8 +459,11 @@ class DistributedTrainingOperator(BaseOperator):
         except (StorageError, InvalidSpecError) as exc:
             # Nothing was launched: wrong credentials, a missing bucket or a bad URI need a fix, not a retry.
             raise AirflowFailException(f"{self._where}: {exc}") from exc
-        handle = self._attach(context, spec, backend) or self._launch(context, spec, backend, extra_env)
-        launches = Relaunches()
+        attached = self._attach(context, spec, backend)
+        handle = attached or self._launch(context, spec, backend, extra_env)
+        # An attached group may itself be a relaunch (…-r2): its relaunches count against the budget.
+        relaunched = re.search(r"-r(\d+)$", attached.group_id) if attached else None
+        launches = Relaunches(preemptions=int(relaunched.group(1)) if relaunched else 0)
         while True:
             if self.deferrable:
                 self._defer_to_trigger(context, handle, launches)
