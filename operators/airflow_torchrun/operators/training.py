@@ -169,7 +169,7 @@ class DistributedTrainingOperator(BaseOperator):
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         teardown_grace: float = DEFAULT_TEARDOWN_GRACE,
         threads_per_proc: int | None = None,
-        poll_interval: float = 0.25,
+        poll_interval: float = 0.1,
         deferrable: bool | None = None,
         checkpoint_uri: str | None = None,
         resume: str = RESUME_AUTO,
