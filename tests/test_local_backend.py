@@ -50,6 +50,18 @@ def _launch(tmp_path, tiny_script, *, watch_caller=False, **env):
     return backend, handle
 
 
+def _terminal(backend, handle, what):
+    """Wait until the group is done; its final status."""
+
+    def done():
+        status = group_status(
+            backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60
+        )
+        return status if status.state.terminal else None
+
+    return _until(done, what=what)
+
+
 def _workers_running(backend, handle):
     """Both ranks printed their first line: every process of the group exists."""
     logs = [Path(p).read_text() if Path(p).exists() else "" for p in backend.log_locations(handle)]
@@ -62,17 +74,7 @@ def test_agent_killed_with_sigkill_leaves_no_orphaned_worker(tmp_path, tiny_scri
         _until(lambda: _workers_running(backend, handle), what="ranks to start")
         sup = json.loads((Path(handle.location) / "node-1" / "supervisor.json").read_text())
         os.kill(sup["agent_pid"], signal.SIGKILL)
-        status = _until(
-            lambda: (
-                (
-                    s := group_status(
-                        backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60
-                    )
-                ).state.terminal
-                and s
-            ),
-            what="the group to fail",
-        )
+        status = _terminal(backend, handle, what="the group to fail")
         assert status.state is GroupState.FAILED
         assert status.nodes[1].signal == "SIGKILL"
         # node 1's supervisor reaped the orphaned worker itself, before anyone tore the group down
@@ -135,17 +137,7 @@ def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tin
     backend = LocalBackend(tmp_path / "state")
     spec = GroupSpec.create(script=str(tiny_script), num_nodes=2, nproc_per_node=1)
     handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
-    status = _until(
-        lambda: (
-            (
-                s := group_status(
-                    backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60
-                )
-            ).state.terminal
-            and s
-        ),
-        what="the group to finish",
-    )
+    status = _terminal(backend, handle, what="the group to finish")
     assert status.state is GroupState.SUCCEEDED
     for n in range(2):
         node_dir = Path(handle.location) / f"node-{n}"

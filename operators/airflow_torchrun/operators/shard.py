@@ -109,15 +109,15 @@ class ShardDatasetOperator(BaseOperator):
 
     def _problems(self, *, allow_templates: bool) -> list[str]:
         problems: list[str] = []
-        if allow_templates and is_templated(self.source_uri):
-            pass  # an upstream task's output or a template: checked once rendered
-        elif not isinstance(self.source_uri, str) or not self.source_uri.strip():
-            problems.append(f"source_uri must be a non-empty URI string, got {self.source_uri!r}")
-        elif not (allow_templates and (is_templated(self.source_uri) or is_templated(self.format))):
-            try:
-                detect_format(self.source_uri, self.format)
-            except DatasetError as exc:
-                problems.append(str(exc))
+        # An upstream task's output or a template is checked once rendered.
+        if not (allow_templates and is_templated(self.source_uri)):
+            if not isinstance(self.source_uri, str) or not self.source_uri.strip():
+                problems.append(f"source_uri must be a non-empty URI string, got {self.source_uri!r}")
+            elif not (allow_templates and is_templated(self.format)):
+                try:
+                    detect_format(self.source_uri, self.format)
+                except DatasetError as exc:
+                    problems.append(str(exc))
         shards = self._resolve_num_shards(problems, allow_templates=allow_templates)
         problems.extend(check_request(1 if shards is None else shards, self.eval_fraction, self.seed))
         return problems
