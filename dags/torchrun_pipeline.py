@@ -45,7 +45,7 @@ with DAG(
         "num_nodes": Param(2, type="integer", minimum=1, maximum=8, description="torchrun agents (nodes)"),
         "nproc_per_node": Param(1, type="integer", minimum=1, maximum=8, description="ranks per node"),
         "epochs": Param(5, type="integer", minimum=1, maximum=200, description="passes over the training shards"),
-        "learning_rate": Param(0.003, type="number", minimum=1e-6, maximum=1, description="Adam learning rate"),
+        "learning_rate": Param(0.003, type="number", exclusiveMinimum=0, maximum=1, description="Adam learning rate"),
         "backend": Param(
             "local", type="string", enum=["local", "kubernetes"], description="where the training group runs"
         ),
