@@ -133,6 +133,16 @@ class Standalone:
         line = f"Received executor event with state success for task instance {key}"
         wait_for(f"the scheduler to process the defer exit of {run_id}", lambda: line in self.output_text(), 120)
 
+    def wait_trigger_watching(self, run_id: str, try_number: int = 1) -> None:
+        """The triggerer runs the task's trigger (its log says so). Before that, Airflow has no
+        running trigger to cancel: marking the task failed then cannot reach ``on_kill``."""
+
+        def watching() -> bool:
+            logs = (self.home / "logs").rglob(f"attempt={try_number}.log.trigger.*.log")
+            return any(f"run_id={run_id}" in str(p) and "Watching group" in p.read_text(errors="replace") for p in logs)
+
+        wait_for(f"the triggerer to watch the group of {run_id}", watching, 120)
+
     def wait_run_state(self, run_id: str, states: set[str], deadline_s: float = RUN_DEADLINE_S) -> str:
         """Wait for the DAG run to reach one of ``states``; on timeout, fail with the task states seen."""
 

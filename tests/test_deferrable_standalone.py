@@ -151,6 +151,7 @@ def test_marking_the_deferred_task_failed_tears_the_group_down(standalone: Stand
     never = standalone.work_dir / "never-released"
     run_id = standalone.trigger({"mode": "ok", "release": str(never)})
     standalone.wait_deferred(run_id)
+    standalone.wait_trigger_watching(run_id)
     backend, handle = _group(standalone, run_id)
     assert backend.running_pids(handle)
     standalone.ok("PATCH", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{TASK_ID}", {"new_state": "failed"})
