@@ -27,7 +27,7 @@ from typing import Any
 
 from airflow_torchrun import diagnosis
 from airflow_torchrun.backends.base import FailureReport, GroupHandle
-from airflow_torchrun.backends.procs import group_pids, stop_group
+from airflow_torchrun.backends.procs import group_pids, pid_alive, stop_group
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.state import state_dir as default_state_dir
@@ -142,7 +142,7 @@ class LocalBackend:
         sup = _read_json(node_dir / "supervisor.json")
         if sup is None:
             return NodeObservation(node_rank=node_rank, phase=NodePhase.PENDING)
-        if not _pid_alive(int(sup["pid"])):
+        if not pid_alive(int(sup["pid"])):
             # The supervisor may have written exit.json between our two reads.
             if (node_dir / "exit.json").exists():
                 return self._observe_node(handle, node_rank)
@@ -252,17 +252,3 @@ def _read_text(path: Path) -> str:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            return fp.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from airflow_torchrun.backends.procs import stop_group
+from airflow_torchrun.backends.procs import pid_alive, stop_group
 from airflow_torchrun.wiring import GROUP_ID_VAR, NODE_RANK_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent = args.watch_pid and args.watch_pid == os.getppid()
     returncode: int | None = None
     while returncode is None:
-        gone = (os.getppid() != args.watch_pid) if watch_parent else not _alive(args.watch_pid)
+        gone = (os.getppid() != args.watch_pid) if watch_parent else not pid_alive(args.watch_pid)
         if not stop_reason and args.watch_pid and gone:
             stop_reason.append(f"watched process {args.watch_pid} exited")
         if stop_reason:
@@ -109,16 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0 if returncode == 0 else 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":

@@ -34,6 +34,17 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    return not _is_zombie(pid)
+
+
 def group_pids(group_id: str, node_rank: int | None = None, *, exclude: int | None = None) -> list[int]:
     """Live (non-zombie) processes of the group, or of one node of it."""
     want_group = group_id.encode()
