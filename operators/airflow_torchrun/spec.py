@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from airflow_torchrun.contract import CONTRACT_ENV
 from airflow_torchrun.errors import InvalidSpecError
 
 BACKENDS = ("local", "kubernetes")
@@ -36,15 +37,6 @@ RESERVED_ENV = frozenset(
         "AIRFLOW_TORCHRUN_NODE_RANK",
     }
 )
-# Variables of the rank contract that come from operator arguments.
-CONTRACT_ENV = {
-    "TRAIN_CHECKPOINT_URI": "checkpoint_uri",
-    "TRAIN_RESUME_FROM": "resume",
-    "TRAIN_CHECKPOINT_KEEP_LAST": "keep_last",
-    "TRAIN_SHARD_MANIFEST": "shard_manifest",
-    "MLFLOW_RUN_ID": "track",
-    "MLFLOW_TRACKING_URI": "mlflow_tracking_uri",
-}
 
 
 def is_templated(value: object) -> bool:
@@ -176,8 +168,10 @@ class GroupSpec:
                     )
                     continue
                 if key in CONTRACT_ENV:
+                    # Each comes from an operator argument; a copy in env would disagree with what
+                    # the operator checked (storage, the resume point) and recorded.
                     problems.append(
-                        f"env: {key} comes from the operator argument {CONTRACT_ENV[key]}=...; set that instead"
+                        f"env: {key} is part of the rank contract the operator sets for every rank; {CONTRACT_ENV[key]}"
                     )
                     continue
                 env_map[key] = str(value)

@@ -5,8 +5,10 @@ Every backend runs exactly these commands; a backend only decides *where* a node
 Rendezvous is torchrun's ``static`` backend: node ``i`` is torchrun's ``--node-rank i``, so global
 ranks are ``node_rank * nproc_per_node + local_rank`` on every backend (on Kubernetes the node rank
 is the Job's completion index). In-place restarts are off (``--max-restarts 0``): a failed group is
-torn down and Airflow's retry starts a new one that resumes from the latest checkpoint, which avoids
-torchrun's re-rendezvous hangs (see FIELD-NOTES).
+torn down and Airflow's retry starts a new one that resumes from the latest checkpoint. That avoids
+torchrun's re-rendezvous hangs: with ``--max-restarts 3`` and a worker killed mid-run, torchrun on
+its defaults recovered only 6 of 12 times (5 runs hung in ``init_process_group``, the restarted
+ranks dialling the previous incarnation's store), measured on a 2-core machine on 2026-11-30.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.contract import CONTRACT_ENV
+from airflow_torchrun.spec import RESERVED_ENV, GroupSpec
 
 # Torchrun's default; used where every node has its own network namespace (Kubernetes).
 DEFAULT_MASTER_PORT = 29500
@@ -84,8 +87,9 @@ class GroupPlan:
 def threads_per_proc(spec: GroupSpec, cpus_per_node: float | None) -> int:
     """OMP threads per rank: explicit, else the node's CPUs split between its ranks.
 
-    torchrun only sets OMP_NUM_THREADS=1 in some modes; two ranks fighting over two cores ran
-    2.7x slower (FIELD-NOTES), so the wiring always sets it.
+    torchrun sets OMP_NUM_THREADS=1 for ``--standalone`` but not with ``--nnodes > 1``; two ranks
+    fighting over two cores without it ran 2.7x slower (measured on a 2-core machine, 2026-11-30),
+    so the wiring always sets it.
     """
     if spec.threads_per_proc:
         return spec.threads_per_proc
@@ -107,9 +111,13 @@ def plan(
 ) -> GroupPlan:
     """Render every node's torchrun command and environment. Pure: no I/O, no clock.
 
-    ``log_dir`` may hold ``{node_rank}``; ``extra_env`` carries what the operator adds to the
-    contract (checkpoint and MLflow variables) and wins over nothing the user set explicitly.
+    ``log_dir`` may hold ``{node_rank}``. ``extra_env`` carries what the operator and the platform
+    add: the rank contract (checkpoint, shard and MLflow variables), storage access, a Kubernetes
+    runtime's ``env``. The user's ``spec.env`` overrides the wiring's defaults (``OMP_NUM_THREADS``,
+    ``PYTHONUNBUFFERED``) and ``extra_env``, but never a contract or a reserved variable: those
+    reach a rank only from the operator and the wiring, whatever ``spec.env`` holds.
     """
+    user_env = {k: v for k, v in spec.env.items() if k not in CONTRACT_ENV and k not in RESERVED_ENV}
     group_id = identity.group_id
     nodes = []
     for node_rank in range(spec.num_nodes):
@@ -143,7 +151,7 @@ def plan(
             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[node {node_rank} rank ${{rank}}] ",
         }
         env.update(extra_env or {})
-        env.update(spec.env)
+        env.update(user_env)
         env[GROUP_ID_VAR] = group_id
         env[NODE_RANK_VAR] = str(node_rank)
         nodes.append(NodePlan(node_rank=node_rank, argv=tuple(argv), env=env))

@@ -51,14 +51,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from airflow_torchrun import contract
 from airflow_torchrun.checkpoint import STORAGE_OPTIONS_ENV, CheckpointStore, normalize_uri, ref_from_uri
 from airflow_torchrun.errors import StorageError
 
 log = logging.getLogger(__name__)
 
-ENV_CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
-ENV_RESUME_FROM = "TRAIN_RESUME_FROM"
-ENV_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
+ENV_CHECKPOINT_URI = contract.CHECKPOINT_URI
+ENV_RESUME_FROM = contract.RESUME_FROM
+ENV_KEEP_LAST = contract.CHECKPOINT_KEEP_LAST
 ENV_STORAGE_OPTIONS = STORAGE_OPTIONS_ENV
 DEFAULT_KEEP_LAST = 3
 

@@ -12,7 +12,9 @@ import math
 import os
 from collections.abc import Mapping
 
-METRICS_ENV = "EVAL_METRICS_URI"
+from airflow_torchrun.contract import EVAL_METRICS_URI
+
+METRICS_ENV = EVAL_METRICS_URI
 
 
 def report_metrics(metrics: Mapping[str, float]) -> str | None:

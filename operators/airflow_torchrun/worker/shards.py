@@ -19,12 +19,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from airflow_torchrun.contract import SHARD_MANIFEST
 from airflow_torchrun.errors import TorchrunError
 from airflow_torchrun.sharding import Columns, Manifest, concat_columns, read_manifest, read_shard
 
 log = logging.getLogger(__name__)
 
-MANIFEST_ENV = "TRAIN_SHARD_MANIFEST"
+MANIFEST_ENV = SHARD_MANIFEST
 
 
 class ShardAssignmentError(TorchrunError, ValueError):

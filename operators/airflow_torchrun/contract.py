@@ -1,0 +1,37 @@
+"""The public rank contract: the variables the operators set in every rank's environment.
+
+One source of truth. :meth:`GroupSpec.create <airflow_torchrun.spec.GroupSpec.create>` refuses
+these names in ``env``, :func:`airflow_torchrun.wiring.plan` never lets ``env`` override them, the
+worker helpers read them, and README's contract table lists them. Standard library only: both the
+ranks (no Airflow) and DAG parsing (no torch) import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
+RESUME_FROM = "TRAIN_RESUME_FROM"
+CHECKPOINT_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
+CHECKPOINT_STORAGE_OPTIONS = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
+SHARD_MANIFEST = "TRAIN_SHARD_MANIFEST"
+MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
+EVAL_CHECKPOINT_URI = "EVAL_CHECKPOINT_URI"
+EVAL_METRICS_URI = "EVAL_METRICS_URI"
+
+# Each name, and what to set instead of putting it in ``env``.
+CONTRACT_ENV: Mapping[str, str] = MappingProxyType(
+    {
+        CHECKPOINT_URI: "set the operator argument checkpoint_uri=... instead",
+        RESUME_FROM: "set the operator argument resume=... instead (EvaluateModelOperator: checkpoint=...)",
+        CHECKPOINT_KEEP_LAST: "set the operator argument keep_last=... instead",
+        CHECKPOINT_STORAGE_OPTIONS: "set the operator argument storage_options=... (or aws_conn_id=...) instead",
+        SHARD_MANIFEST: "set the operator argument shard_manifest=... instead",
+        MLFLOW_TRACKING_URI: "set the operator argument mlflow_tracking_uri=... instead",
+        MLFLOW_RUN_ID: "set track=True (EvaluateModelOperator: mlflow_run_id=...) instead",
+        EVAL_CHECKPOINT_URI: "set EvaluateModelOperator's argument checkpoint=... instead",
+        EVAL_METRICS_URI: "EvaluateModelOperator chooses it, beside checkpoint=...; remove it from env",
+    }
+)
