@@ -1,6 +1,9 @@
 """S3 over HTTP for tests: moto's server on 127.0.0.1, reached through s3fs like a real endpoint.
 
-Bind the fixtures in a test module with ``moto_s3 = s3_fixtures.moto_s3`` (and ``s3_env``).
+Bind the fixtures in a test module with ``moto_s3 = s3_fixtures.moto_s3`` (and ``s3_env``,
+``restartable_s3``). For outages: :class:`RestartableS3` stops and restarts a server on the same
+port (moto keeps its buckets in this process, like a real store keeps its data), and
+:func:`s3_error_server` answers every request with one S3 error (a 503 ``SlowDown``, say).
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.request import Request, urlopen
 
@@ -125,3 +130,90 @@ def s3_env(moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch) -> MotoS3:
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return moto_s3
+
+
+class RestartableS3:
+    """moto's S3 server on a fixed localhost port that a test can stop and start again.
+
+    Stopped means the port is closed (connections are refused), as when the store's process is down.
+    """
+
+    def __init__(self) -> None:
+        self.port = closed_port()
+        self.s3 = MotoS3(endpoint=f"http://127.0.0.1:{self.port}")
+        self._server: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        if self._server is None:
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+            server.start()
+            self._server = server
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+            # ThreadedMotoServer.stop() leaves the listening socket open (connections would hang).
+            server._server.server_close()
+
+    def start_after(self, seconds: float) -> threading.Timer:
+        """Start the server again in ``seconds``, from another thread."""
+        timer = threading.Timer(seconds, self.start)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+
+@pytest.fixture
+def restartable_s3() -> Iterator[RestartableS3]:
+    """A running :class:`RestartableS3`, stopped at the end of the test."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = RestartableS3()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def s3_error_server(status: int, code: str, message: str = "injected by the test") -> Iterator[str]:
+    """An HTTP server on localhost answering every request with the S3 error ``code`` and ``status``;
+    yields its endpoint."""
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+        "<RequestId>test</RequestId></Error>"
+    ).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _answer
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -261,17 +261,18 @@ def test_check_access_s3_through_aws_environment(s3_env: MotoS3) -> None:
     assert store.latest() == CheckpointRef(f"s3://{bucket}/run/step-00000001", 1)
 
 
-def _timed_failure(store: CheckpointStore) -> tuple[str, float]:
+def _timed_failure(store: CheckpointStore, *, transient: bool = False) -> tuple[str, float]:
     started = time.monotonic()
     with pytest.raises(StorageError) as info:
         store.check_access()
+    assert info.value.transient is transient, info.value
     return str(info.value), time.monotonic() - started
 
 
 def test_check_access_unreachable_endpoint_fails_fast(moto_s3: MotoS3) -> None:
     endpoint = f"http://127.0.0.1:{closed_port()}"
     store = CheckpointStore("s3://some-bucket/run", moto_s3.storage_options(endpoint_url=endpoint))
-    message, seconds = _timed_failure(store)
+    message, seconds = _timed_failure(store, transient=True)
     assert "cannot be reached" in message
     assert endpoint in message
     assert "AWS_ENDPOINT_URL" in message
@@ -281,7 +282,7 @@ def test_check_access_unreachable_endpoint_fails_fast(moto_s3: MotoS3) -> None:
 
 def test_check_access_unknown_host(moto_s3: MotoS3) -> None:
     store = CheckpointStore("s3://some-bucket/run", moto_s3.storage_options(endpoint_url="http://no-such-host.invalid"))
-    message, seconds = _timed_failure(store)
+    message, seconds = _timed_failure(store, transient=True)
     assert "cannot be reached" in message
     assert seconds < 15
 
