@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from airflow_torchrun import contract
-from airflow_torchrun.errors import StorageError
+from airflow_torchrun.errors import StorageError, http_status, is_transient
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -431,9 +431,13 @@ class CheckpointStore:
 
         Checks that the location is reachable, exists (the bucket) and that the credentials may
         list it and, with ``write``, write to it (a small probe object is written and deleted).
-        Raises :class:`StorageError` naming the cause and the fix: malformed URI (at construction),
-        unreachable endpoint, missing bucket, unknown access key, wrong secret, access denied.
-        Takes at most a few seconds even when the endpoint does not answer.
+        Raises :class:`StorageError` naming the cause and the fix. Its ``transient`` follows
+        :func:`airflow_torchrun.errors.is_transient`: ``True`` when the store did not answer
+        properly (endpoint unreachable, timeout, HTTP 5xx, throttling), so the same check may pass
+        later (call it through :func:`~airflow_torchrun.errors.retry_transient`); ``False`` for
+        what only a change can fix (malformed URI, at construction; missing bucket; unknown access
+        key; wrong secret; access denied; a file where the directory should be).
+        One attempt takes at most a few seconds even when the endpoint does not answer.
         """
         if self.location.scheme == "file":
             self._check_local(write)
@@ -444,7 +448,11 @@ class CheckpointStore:
         path = self.location.path
         try:
             if os.path.exists(path) and not os.path.isdir(path):
-                raise StorageError(f"checkpoint location {self.uri} exists but is a file, not a directory")
+                raise StorageError(
+                    f"checkpoint location {self.uri} exists but is a file, not a directory; "
+                    "point checkpoint_uri at a directory (or remove the file)",
+                    transient=False,
+                )
             if not write:
                 return
             os.makedirs(path, exist_ok=True)
@@ -455,12 +463,16 @@ class CheckpointStore:
         except PermissionError as exc:
             raise StorageError(
                 f"checkpoint location {self.uri} is not writable by this user ({exc.strerror}); "
-                "choose a directory the worker can write to, or fix its permissions"
+                "choose a directory the worker can write to, or fix its permissions",
+                transient=False,
             ) from exc
         except OSError as exc:
             if isinstance(exc, StorageError):
                 raise
-            raise StorageError(f"checkpoint location {self.uri} cannot be used: {exc}") from exc
+            # A timed-out network mount is transient; a full or read-only disk is not.
+            raise StorageError(
+                f"checkpoint location {self.uri} cannot be used: {exc}", transient=is_transient(exc)
+            ) from exc
 
     def _check_s3(self, write: bool) -> None:
         options = _merge_options(
@@ -487,7 +499,7 @@ class CheckpointStore:
                 fs.pipe_file(probe, b"ok")
                 fs.rm_file(probe)
         except Exception as exc:
-            raise StorageError(describe_s3_error(exc, uri=self.uri, bucket=bucket, endpoint=endpoint)) from exc
+            raise s3_storage_error(exc, uri=self.uri, bucket=bucket, endpoint=endpoint) from exc
 
 
 def _fsync_dir(path: str) -> None:
@@ -530,10 +542,22 @@ def _chain_names(exc: BaseException) -> set[str]:
     return names
 
 
+def s3_storage_error(exc: BaseException, *, uri: str, bucket: str, endpoint: str) -> StorageError:
+    """The :class:`StorageError` for an s3fs/botocore failure: :func:`describe_s3_error`'s message,
+    transient exactly when :func:`airflow_torchrun.errors.is_transient` says so."""
+    return StorageError(describe_s3_error(exc, uri=uri, bucket=bucket, endpoint=endpoint), transient=is_transient(exc))
+
+
 def describe_s3_error(exc: BaseException, *, uri: str, bucket: str, endpoint: str) -> str:
-    """Turn an s3fs/botocore failure into: what happened, the likely cause, what to change."""
+    """Turn an s3fs/botocore failure into: what happened, the likely cause, what to change.
+
+    The S3 error code picks the message for what needs a change (credentials, bucket, rights);
+    whether the failure is temporary is :func:`airflow_torchrun.errors.is_transient`'s call, the
+    same for storage as for the cluster API and tracking.
+    """
     code = _error_code(exc)
     names = _chain_names(exc)
+    status = http_status(exc)
     if code in ("InvalidAccessKeyId", "InvalidClientTokenId"):
         return (
             f"cannot use {uri}: {endpoint} does not know the access key id ({code}). "
@@ -559,21 +583,17 @@ def describe_s3_error(exc: BaseException, *, uri: str, bucket: str, endpoint: st
             f"cannot use {uri}: no AWS credentials were found. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
             "give the task an AWS connection, or pass storage_options"
         )
-    if names & {
-        "EndpointConnectionError",
-        "ConnectTimeoutError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "TimeoutError",
-        "ConnectionError",
-        "FSTimeoutError",
-    }:
+    if is_transient(exc):
+        if status is not None:
+            return (
+                f"cannot use {uri}: the S3 endpoint {endpoint} answered HTTP {status}"
+                f"{f' ({code})' if code else ''}: it is overloaded, throttling or failing. This is usually "
+                "temporary; if it lasts, check the storage service's health and request rate"
+            )
         return (
             f"cannot use {uri}: the S3 endpoint {endpoint} cannot be reached ({type(exc).__name__}: {exc}). "
-            "Check AWS_ENDPOINT_URL / the connection's endpoint_url and that the server is up and reachable "
-            "from the workers"
+            "If it is down for a moment this passes by itself; otherwise check AWS_ENDPOINT_URL / the "
+            "connection's endpoint_url and that the server is up and reachable from the workers"
         )
     detail = f" ({code})" if code else ""
     return f"cannot use {uri}{detail}: {type(exc).__name__}: {exc}"
