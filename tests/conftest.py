@@ -102,7 +102,7 @@ class DagResult:
     def node_logs(self, task_id: str) -> str:
         """Every node log of the task's last group (what its ranks printed)."""
         handle = self.xcom(task_id, key="group") or {}
-        group_dir = Path(handle.get("location", "/nonexistent"))
+        group_dir = Path(handle.get("group_dir", "/nonexistent"))
         return "\n".join(p.read_text() for p in sorted(group_dir.glob("node-*/node.log")))
 
     def xcom(self, task_id: str, key: str = "return_value") -> Any:

@@ -72,7 +72,7 @@ def test_agent_killed_with_sigkill_leaves_no_orphaned_worker(tmp_path, tiny_scri
     backend, handle = _launch(tmp_path, tiny_script)
     try:
         _until(lambda: _workers_running(backend, handle), what="ranks to start")
-        sup = json.loads((Path(handle.location) / "node-1" / "supervisor.json").read_text())
+        sup = json.loads((Path(handle.group_dir) / "node-1" / "supervisor.json").read_text())
         os.kill(sup["agent_pid"], signal.SIGKILL)
         status = _terminal(backend, handle, what="the group to fail")
         assert status.state is GroupState.FAILED
@@ -88,7 +88,7 @@ def test_supervisor_killed_is_lost_and_teardown_still_finds_every_process(tmp_pa
     backend, handle = _launch(tmp_path, tiny_script)
     try:
         _until(lambda: _workers_running(backend, handle), what="ranks to start")
-        sup = json.loads((Path(handle.location) / "node-0" / "supervisor.json").read_text())
+        sup = json.loads((Path(handle.group_dir) / "node-0" / "supervisor.json").read_text())
         os.kill(sup["pid"], signal.SIGKILL)
         nodes = _until(
             lambda: (o := backend.observe(handle))[0].phase is NodePhase.LOST and o, what="node 0 to be lost"
@@ -140,7 +140,7 @@ def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tin
     status = _terminal(backend, handle, what="the group to finish")
     assert status.state is GroupState.SUCCEEDED
     for n in range(2):
-        node_dir = Path(handle.location) / f"node-{n}"
+        node_dir = Path(handle.group_dir) / f"node-{n}"
         assert json.loads((node_dir / "exit.json").read_text())["returncode"] == 0
         assert f"[node {n} rank {n}] rank {n} done" in (node_dir / "node.log").read_text()
         # torchrun's own per-rank files

@@ -34,10 +34,12 @@ def test_2x2_all_ranks_see_world_size_4_and_all_reduce(run_dag, tiny_script, def
     result = run_dag(
         f"""
         DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=2,
-                                    deferrable={deferrable})
+                                    deferrable={deferrable}, defer_after=0)
         """
     )
     assert result.state == "success", result.log[-3000:]
+    # The deferred path really ran: watched by the trigger, not by this process.
+    assert ("deferring: the triggerer watches it" in result.log) is deferrable
     # 1+2+3+4 = 10 on every rank, and every rank's output reached the task log with its origin
     for rank in range(4):
         node = rank // 2
@@ -94,7 +96,7 @@ def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_scri
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=2, retries=0,
-            deferrable={deferrable},
+            deferrable={deferrable}, defer_after=0,
             env={{"FAIL_RANK": "3", "FAIL_STEP": "2", "STEPS": "200"}},
         )
         """
@@ -113,7 +115,7 @@ def test_rank_killed_by_sigkill_names_the_signal(run_dag, tiny_script, deferrabl
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=1, retries=0,
-            deferrable={deferrable},
+            deferrable={deferrable}, defer_after=0,
             env={{"FAIL_RANK": "0", "FAIL_MODE": "kill", "STEPS": "200"}},
         )
         """
@@ -130,7 +132,7 @@ def test_execution_timeout_leaves_nothing_running(run_dag, tiny_script, deferrab
         f"""
         DistributedTrainingOperator(
             task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=1, retries=0,
-            deferrable={deferrable},
+            deferrable={deferrable}, defer_after=0,
             env={{"STEPS": "100000", "STEP_SECONDS": "0.1"}}, execution_timeout=timedelta(seconds=12),
         )
         """,

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from airflow._shared.module_loading import import_string  # what the triggerer resolves classpaths with
 
-from airflow_torchrun.backends.base import GroupHandle
+from airflow_torchrun.backends.handles import GroupHandle, LocalHandle
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.backends.local import LocalBackend
 from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
@@ -69,15 +69,15 @@ POLL = 0.1
 
 
 def handle_dict(**overrides: Any) -> dict[str, Any]:
-    base = GroupHandle(
-        backend="local",
+    base = LocalHandle(
         group_id="g-0123456789-t1",
         num_nodes=2,
+        world_size=4,
         launched_at=1_767_225_600.5,
-        location="/var/lib/torchrun/groups/g-0123456789-t1",
+        group_dir="/var/lib/torchrun/groups/g-0123456789-t1",
         startup_timeout=600.0,
         teardown_grace=10.0,
-        extra={"master_port": 29511, "world_size": 4},
+        master_port=29511,
     ).to_dict()
     return {**base, **overrides}
 
@@ -200,6 +200,8 @@ def test_trigger_serialize_round_trips_and_classpath_imports() -> None:
         "poll_interval": 2.0,
         "progress_timeout": 900.0,
         "deadline": 1796050000.5,
+        "error_budget": 300.0,
+        "not_before": None,
     }
     # as the triggerer does it: stored, read back, re-instantiated
     stored = BaseSerialization.deserialize(BaseSerialization.serialize(kwargs))
@@ -227,7 +229,7 @@ def test_startup_timeout_when_no_node_ever_starts(tmp_path: Path) -> None:
     location = tmp_path / "state" / "groups" / "g-never-t1"
     (location / "node-0").mkdir(parents=True)
     handle = handle_dict(
-        group_id="g-never-t1", num_nodes=1, location=str(location), launched_at=time.time(), startup_timeout=0.3
+        group_id="g-never-t1", num_nodes=1, group_dir=str(location), launched_at=time.time(), startup_timeout=0.3
     )
     event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.05)))
     assert event.status is GroupEventStatus.STARTUP_TIMEOUT
@@ -239,11 +241,12 @@ def test_error_event_when_the_group_cannot_be_read(tmp_path: Path) -> None:
     location = tmp_path / "state" / "groups" / "g-corrupt-t1"
     (location / "node-0").mkdir(parents=True)
     (location / "node-0" / "exit.json").write_text('{"returncode": "not a number"}')
-    handle = handle_dict(group_id="g-corrupt-t1", num_nodes=1, location=str(location), launched_at=time.time())
+    handle = handle_dict(group_id="g-corrupt-t1", num_nodes=1, group_dir=str(location), launched_at=time.time())
     event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.01)))
+    # A malformed record is no passing hiccup: the watch gives up at once, and says so.
     assert event.status is GroupEventStatus.ERROR
-    assert "could not observe the group 3 times in a row" in event.reason
-    assert "not a number" in event.reason
+    assert "looking at the group failed with a permanent error" in event.reason
+    assert "not a number" in event.reason and "state is unknown" in event.reason
 
 
 # -- watching real groups ---------------------------------------------------------------------
@@ -291,7 +294,7 @@ def test_triggerer_restart_resumes_watching_and_never_touches_the_group(groups: 
             await watching
         await asyncio.sleep(1.0)  # time for a wrongly stopped group to show it
         still_running = bool(groups.backend.running_pids(handle)) and not any(
-            (Path(handle.location) / f"node-{n}" / "exit.json").exists() for n in range(handle.num_nodes)
+            (Path(handle.group_dir) / f"node-{n}" / "exit.json").exists() for n in range(handle.num_nodes)
         )
         classpath, kwargs = first.serialize()
         second = import_string(classpath)(**json.loads(json.dumps(kwargs)))  # a new triggerer's copy

@@ -1,9 +1,11 @@
-"""The deferrable half of ``DistributedTrainingOperator``: an async trigger that watches a group.
+"""The deferrable half of the run engine: an async trigger that watches a group.
 
-The trigger only watches (STYLE 4): it rebuilds the backend from the group's handle, observes
-every node with the backend's async ``observe_async``, reduces what it sees with the same pure
-:func:`airflow_torchrun.status.group_status` the sync operator uses, and fires exactly one
-:class:`GroupEvent` when the group is done. It never stops a healthy group: a triggerer restart
+The trigger only watches (STYLE 4): it rebuilds the backend from the group's typed handle and
+drives the same pure watch core (:mod:`airflow_torchrun.watch`) the sync operator drives, with
+the backend's async ``observe_async``; so a flaky API, a hang or a deadline are decided exactly
+as in sync mode. It fires one :class:`GroupEvent` when the group is done, and never earlier than
+``not_before`` (a few seconds after the deferral, so the task's first process has been reported
+finished before the trigger re-queues it). It never stops a healthy group: a triggerer restart
 re-creates the trigger from :meth:`GroupTrigger.serialize` and it simply watches again. Only a
 user's action on the deferred task (mark failed, clear) reaches :meth:`GroupTrigger.on_kill`,
 which tears the group down, as the operator's ``on_kill`` does in sync mode.
@@ -12,58 +14,22 @@ which tears the group down, as the operator's ``on_kill`` does in sync mode.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from enum import Enum, StrEnum
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from airflow_torchrun.backends.base import GroupHandle, get_backend
-from airflow_torchrun.spec import BACKENDS
-from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase, group_status
+from airflow_torchrun.backends.base import backend_from_handle
+from airflow_torchrun.backends.handles import GroupHandle
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Outcome, Verdict, Watch, WatchConfig
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
-    from airflow_torchrun.backends.base import Backend
-
-# Consecutive failed looks at the group before the trigger gives up with an ERROR event (a
-# transient API or file-system hiccup should not fail a training run of many hours).
-OBSERVE_ERRORS_TOLERATED = 3
+# The event's status is the watch's outcome.
+GroupEventStatus = Outcome
 HEARTBEAT_SECONDS = 600.0
-
-
-class GroupEventStatus(StrEnum):
-    """How a watched group ended, as far as the trigger could tell."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STARTUP_TIMEOUT = "startup_timeout"
-    PROGRESS_TIMEOUT = "progress_timeout"  # no node's log grew for progress_timeout seconds
-    TIMEOUT = "timeout"  # the task's execution_timeout (the watch's deadline) passed
-    ERROR = "error"  # the trigger could not observe the group; its state is unknown
-
-    @property
-    def ok(self) -> bool:
-        return self is GroupEventStatus.SUCCEEDED
-
-
-_FROM_GROUP_STATE = {
-    GroupState.SUCCEEDED: GroupEventStatus.SUCCEEDED,
-    GroupState.FAILED: GroupEventStatus.FAILED,
-    GroupState.STARTUP_TIMEOUT: GroupEventStatus.STARTUP_TIMEOUT,
-}
-_TO_GROUP_STATE = {
-    **{event: state for state, event in _FROM_GROUP_STATE.items()},
-    # No group state of their own: the group did not end well, the reason says how.
-    GroupEventStatus.PROGRESS_TIMEOUT: GroupState.FAILED,
-    GroupEventStatus.TIMEOUT: GroupState.FAILED,
-    GroupEventStatus.ERROR: GroupState.FAILED,
-}
 
 
 @dataclass(frozen=True)
@@ -87,26 +53,38 @@ class GroupEvent:
         return [n.exit_code for n in self.nodes]
 
     @classmethod
+    def from_verdict(cls, handle: GroupHandle, verdict: Verdict) -> GroupEvent:
+        return cls(
+            status=verdict.outcome,
+            group_id=handle.group_id,
+            handle=handle,
+            failed_node=verdict.failed_node,
+            reason=verdict.reason,
+            nodes=verdict.nodes,
+        )
+
+    @classmethod
     def from_status(cls, handle: GroupHandle, status: GroupStatus) -> GroupEvent:
         """The event for a terminal group status (raises ``ValueError`` for a running group)."""
         if not status.state.terminal:
             raise ValueError(f"group {handle.group_id} is still running; only a terminal status makes an event")
-        return cls(
-            status=_FROM_GROUP_STATE[status.state],
-            group_id=handle.group_id,
-            handle=handle,
-            failed_node=status.failed_node,
-            reason=status.reason,
-            nodes=status.nodes,
+        return cls.from_verdict(
+            handle, Verdict(Outcome(status.state.value), status.reason, status.nodes, status.failed_node)
         )
+
+    def verdict(self) -> Verdict:
+        """The watch's verdict, as the operator's re-entry continues from it."""
+        return Verdict(self.status, self.reason, self.nodes, self.failed_node)
 
     def group_status(self) -> GroupStatus:
         """The group status the trigger saw; what ``Backend.explain`` takes for a failure."""
-        return GroupStatus(_TO_GROUP_STATE[self.status], self.nodes, self.failed_node, self.reason)
+        return self.verdict().group_status()
 
     def to_payload(self) -> dict[str, Any]:
         """JSON-native dict (str, int, float, None, list, dict) for ``TriggerEvent``."""
-        return _json_dict(asdict(self))
+        data = asdict(self)
+        data["handle"] = self.handle.to_dict()
+        return _json_dict(data)
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any]) -> GroupEvent:
@@ -123,7 +101,7 @@ class GroupEvent:
             )
         try:
             data = dict(payload)
-            data["status"] = GroupEventStatus(data["status"])
+            data["status"] = Outcome(data["status"])
             data["handle"] = GroupHandle.from_dict(data["handle"])
             data["nodes"] = tuple(
                 NodeObservation(**{**node, "phase": NodePhase(node["phase"])}) for node in data.get("nodes", ())
@@ -155,15 +133,11 @@ class GroupWatch:
     poll_interval: float = 1.0
     progress_timeout: float | None = None
     deadline: float | None = None  # epoch seconds: the task's execution_timeout
+    error_budget: float = DEFAULT_ERROR_BUDGET
+    not_before: float | None = None  # epoch seconds: the earliest moment to fire
 
     @classmethod
-    def create(
-        cls,
-        handle: Mapping[str, Any] | GroupHandle,
-        poll_interval: object,
-        progress_timeout: object,
-        deadline: object = None,
-    ) -> GroupWatch:
+    def create(cls, handle: Mapping[str, Any] | GroupHandle, **raw: object) -> GroupWatch:
         """Validate raw arguments; every problem is reported at once."""
         problems = []
         parsed: GroupHandle | None = None
@@ -172,48 +146,43 @@ class GroupWatch:
         else:
             try:
                 parsed = GroupHandle.from_dict(handle)
-            except (TypeError, AttributeError) as exc:
-                problems.append(f"handle must be GroupHandle.to_dict() of a launched group ({exc}), got {handle!r}")
-        if parsed is not None and parsed.backend not in BACKENDS:
-            problems.append(f"handle names backend {parsed.backend!r}; known backends: {', '.join(BACKENDS)}")
-        if isinstance(poll_interval, bool) or not isinstance(poll_interval, int | float) or poll_interval <= 0:
-            problems.append(f"poll_interval must be a positive number of seconds, got {poll_interval!r}")
-        if progress_timeout is not None and (
-            isinstance(progress_timeout, bool) or not isinstance(progress_timeout, int | float) or progress_timeout <= 0
-        ):
-            problems.append(
-                f"progress_timeout must be a positive number of seconds or None (no limit), got {progress_timeout!r}"
-            )
-        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, int | float)):
-            problems.append(f"deadline must be epoch seconds or None, got {deadline!r}")
+            except ValueError as exc:
+                problems.append(f"handle must be GroupHandle.to_dict() of a launched group: {exc}")
+        values: dict[str, float | None] = {}
+        for f in fields(cls):
+            if f.name == "handle":
+                continue
+            value = raw.get(f.name, f.default)
+            optional = f.default is None
+            if value is None and optional:
+                values[f.name] = None
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                problems.append(f"{f.name} must be a number{' or None' if optional else ''}, got {value!r}")
+            elif f.name in ("poll_interval", "progress_timeout") and value <= 0:
+                problems.append(f"{f.name} must be a positive number of seconds, got {value!r}")
+            else:
+                values[f.name] = float(value)
+        unknown = set(raw) - {f.name for f in fields(cls)}
+        if unknown:
+            problems.append(f"unknown arguments {sorted(unknown)}")
         if problems or parsed is None:
             raise ValueError("GroupTrigger cannot watch this group:\n" + "\n".join(f"  - {p}" for p in problems))
-        return cls(
-            deadline=None if deadline is None else float(deadline),  # type: ignore[arg-type]
-            handle=parsed,
-            poll_interval=float(poll_interval),  # type: ignore[arg-type]
-            progress_timeout=None if progress_timeout is None else float(progress_timeout),  # type: ignore[arg-type]
-        )
+        return cls(handle=parsed, **values)  # type: ignore[arg-type]
 
     def kwargs(self) -> dict[str, Any]:
         """The trigger's keyword arguments, JSON-native (what Airflow stores for a deferred task)."""
-        return _json_dict(asdict(self))
+        data = asdict(self)
+        data["handle"] = self.handle.to_dict()
+        return _json_dict(data)
 
-
-def backend_for_handle(handle: GroupHandle) -> Backend:
-    """The backend that launched ``handle``, rebuilt in another process (triggerer, retry).
-
-    Local: the state directory is the handle's ``<state_dir>/groups/<group_id>`` location, two
-    levels up. Kubernetes: the namespace and how to reach the cluster travel in the handle.
-    """
-    options: dict[str, Any] = {}
-    if handle.backend == "local":
-        options["state_dir"] = Path(handle.location).parent.parent
-    elif handle.backend == "kubernetes":
-        from airflow_torchrun.backends.kubernetes import KubernetesBackend
-
-        options = KubernetesBackend.options_from_handle(handle)
-    return get_backend(handle.backend, **options)
+    def config(self) -> WatchConfig:
+        return WatchConfig(
+            poll_interval=self.poll_interval,
+            progress_timeout=self.progress_timeout,
+            deadline=self.deadline,
+            error_budget=self.error_budget,
+            heartbeat=HEARTBEAT_SECONDS,
+        )
 
 
 class GroupTrigger(BaseTrigger):
@@ -221,22 +190,20 @@ class GroupTrigger(BaseTrigger):
 
     :param handle: ``GroupHandle.to_dict()`` of the launched group.
     :param poll_interval: Seconds between two looks at the group.
-    :param progress_timeout: Fire ``progress_timeout`` when no node's log has grown for this many
-        seconds while the group runs (a hung collective). ``None``: no limit. The clock restarts
+    :param progress_timeout: Fire ``progress_timeout`` when the group shows no progress for this
+        many seconds while it runs (a hung collective). ``None``: no limit. The clock restarts
         when the trigger does (a triggerer restart grants a fresh window).
     :param deadline: Epoch seconds (the task's ``execution_timeout``): fire ``timeout`` when the
         group is still running then, so the operator tears it down. Survives triggerer restarts.
+    :param error_budget: Seconds of failed looks in a row (transient API or file trouble) before
+        the trigger gives up with ``error``; a permanent error gives up at once.
+    :param not_before: Epoch seconds before which no event fires (a group that ended sooner is
+        reported then).
     """
 
-    def __init__(
-        self,
-        handle: Mapping[str, Any] | GroupHandle,
-        poll_interval: float = 1.0,
-        progress_timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> None:
+    def __init__(self, handle: Mapping[str, Any] | GroupHandle, **kwargs: object) -> None:
         super().__init__()
-        self.watch = GroupWatch.create(handle, poll_interval, progress_timeout, deadline)
+        self.watch = GroupWatch.create(handle, **kwargs)
 
     @property
     def handle(self) -> GroupHandle:
@@ -246,8 +213,11 @@ class GroupTrigger(BaseTrigger):
         return f"{type(self).__module__}.{type(self).__qualname__}", self.watch.kwargs()
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        """Poll the group; yield one event when it is terminal, then stop."""
+        """Drive the watch core; yield one event when it decides, then stop."""
         event = await self._watch()
+        wait = (self.watch.not_before or 0.0) - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
         if event.status.ok:
             self.log.info("Group %s succeeded; node exit codes %s", event.group_id, event.node_exit_codes)
         else:
@@ -255,133 +225,46 @@ class GroupTrigger(BaseTrigger):
         yield TriggerEvent(event.to_payload())
 
     async def _watch(self) -> GroupEvent:
-        handle, watch = self.handle, self.watch
+        handle, spec = self.handle, self.watch
         try:
             # Importing a backend module is file I/O: keep it off the event loop too.
-            backend = await asyncio.to_thread(backend_for_handle, handle)
+            backend = await asyncio.to_thread(backend_from_handle, handle)
         except Exception as exc:
-            return self._error(f"could not rebuild backend {handle.backend!r} for the group: {exc}")
-        probe = _progress_probe(backend, handle) if watch.progress_timeout is not None else None
-        if watch.progress_timeout is not None and probe is None:
-            self.log.warning(
-                "Group %s: backend %s cannot tell progress; progress_timeout=%s is not enforced",
-                handle.group_id,
-                handle.backend,
-                watch.progress_timeout,
+            return GroupEvent(
+                status=Outcome.ERROR,
+                group_id=handle.group_id,
+                handle=handle,
+                reason=f"could not rebuild backend {handle.backend!r} for the group: {exc}",
             )
         self.log.info(
             "Watching group %s (%d node(s), backend %s) every %.2fs",
             handle.group_id,
             handle.num_nodes,
             handle.backend,
-            watch.poll_interval,
+            spec.poll_interval,
         )
-        errors = 0
-        last_phases: tuple[str, ...] = ()
-        last_progress, last_mark = time.monotonic(), None
-        last_heartbeat = time.monotonic()
+        watch = Watch.of(handle, spec.config(), time.time())
         while True:
             try:
                 nodes = await backend.observe_async(handle)
-                errors = 0
+                mark = await backend.progress_mark_async(handle) if spec.progress_timeout is not None else None
             except Exception as exc:
-                errors += 1
-                self.log.warning(
-                    "Group %s: observing failed (%d/%d): %s", handle.group_id, errors, OBSERVE_ERRORS_TOLERATED, exc
-                )
-                if errors >= OBSERVE_ERRORS_TOLERATED:
-                    return self._error(f"could not observe the group {errors} times in a row; last error: {exc}")
-                await asyncio.sleep(watch.poll_interval)
-                continue
-            status = group_status(
-                nodes, launched_at=handle.launched_at, now=time.time(), startup_timeout=handle.startup_timeout
-            )
-            phases = tuple(n.phase.value for n in status.nodes)
-            if phases != last_phases:
-                self.log.info("Group %s nodes: %s", handle.group_id, ", ".join(phases))
-                last_phases = phases
-            if status.state.terminal:
-                return GroupEvent.from_status(handle, status)
-            if watch.deadline is not None and time.time() >= watch.deadline:
-                return GroupEvent(
-                    status=GroupEventStatus.TIMEOUT,
-                    group_id=handle.group_id,
-                    handle=handle,
-                    reason="the task's execution_timeout passed while the group was still running",
-                    nodes=status.nodes,
-                )
-            now = time.monotonic()
-            if probe is not None and watch.progress_timeout is not None:
-                try:
-                    mark = await probe()
-                except OSError as exc:
-                    self.log.warning("Group %s: could not read progress: %s", handle.group_id, exc)
-                    mark = last_mark
-                if mark != last_mark:
-                    last_progress, last_mark = now, mark
-                elif now - last_progress >= watch.progress_timeout:
-                    return GroupEvent(
-                        status=GroupEventStatus.PROGRESS_TIMEOUT,
-                        group_id=handle.group_id,
-                        handle=handle,
-                        reason=(
-                            f"no node's log grew for {now - last_progress:.0f}s "
-                            f"(progress_timeout={watch.progress_timeout:g}s); the group looks hung"
-                        ),
-                        nodes=status.nodes,
-                    )
-            if now - last_heartbeat >= HEARTBEAT_SECONDS:
-                last_heartbeat = now
-                self.log.info(
-                    "Group %s still running, %.0fs since launch", handle.group_id, time.time() - handle.launched_at
-                )
-            await asyncio.sleep(watch.poll_interval)
-
-    def _error(self, reason: str) -> GroupEvent:
-        return GroupEvent(
-            status=GroupEventStatus.ERROR, group_id=self.handle.group_id, handle=self.handle, reason=reason
-        )
+                step = watch.failed(exc, time.time())
+            else:
+                step = watch.observed(nodes, mark, time.time())
+            for note in step.notes:
+                self.log.log(note.level, "%s", note.message)
+            if step.verdict is not None:
+                return GroupEvent.from_verdict(handle, step.verdict)
+            await asyncio.sleep(spec.poll_interval)
 
     async def on_kill(self) -> None:
         """The user acted on the deferred task (mark failed, clear): stop the whole group.
 
         Airflow calls this only for a user's action, never on a triggerer restart or when the
-        trigger fires; teardown is idempotent and runs in a thread (it waits out the grace period).
+        trigger fires; teardown is idempotent.
         """
         handle = self.handle
         self.log.info("Tearing down group %s (task killed while deferred)", handle.group_id)
-        backend = await asyncio.to_thread(backend_for_handle, handle)
-        await asyncio.to_thread(backend.teardown, handle)
-
-
-def _progress_probe(backend: Backend, handle: GroupHandle) -> Callable[[], Awaitable[object]] | None:
-    """An async function whose result changes whenever the group shows progress, if the backend can tell.
-
-    A backend may offer ``async progress_mark(handle)``; the local backend's logs are files, whose
-    sizes serve.
-    """
-    own = getattr(backend, "progress_mark", None)
-    if callable(own):
-
-        async def backend_mark() -> object:
-            return await own(handle)
-
-        return backend_mark
-    if handle.backend == "local":
-        paths = backend.log_locations(handle)
-
-        async def log_sizes() -> object:
-            return await asyncio.to_thread(_sizes, paths)
-
-        return log_sizes
-    return None
-
-
-def _sizes(paths: Sequence[str]) -> tuple[int, ...]:
-    out = []
-    for path in paths:
-        try:
-            out.append(os.stat(path).st_size)
-        except FileNotFoundError:
-            out.append(-1)
-    return tuple(out)
+        backend = await asyncio.to_thread(backend_from_handle, handle)
+        await backend.teardown_async(handle)

@@ -1,37 +1,39 @@
-"""The one small interface every backend implements, and the handle that names a running group."""
+"""The backend contract: every method the run engine and the trigger call, declared once.
+
+A backend decides *where* each node of a plan runs, never *what* it runs. Methods a backend has
+nothing to say for have no-op defaults here (a local group is never preempted; a Kubernetes
+group has no earlier try to stop, it is re-attached), so callers never probe with ``getattr``.
+Handles are typed per backend (:mod:`airflow_torchrun.backends.handles`); :func:`backend_for`
+and :func:`backend_from_handle` are the one registry.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import GroupStatus, NodeObservation
-from airflow_torchrun.wiring import GroupIdentity, GroupPlan
+from airflow_torchrun.backends.handles import GroupHandle, KubernetesHandle, LocalHandle
 
+if TYPE_CHECKING:
+    from airflow_torchrun.spec import GroupSpec
+    from airflow_torchrun.status import GroupStatus, NodeObservation
+    from airflow_torchrun.wiring import GroupIdentity, GroupPlan
 
-@dataclass(frozen=True)
-class GroupHandle:
-    """Enough to find a launched group again from any process: pushed to XCom at once."""
-
-    backend: str
-    group_id: str
-    num_nodes: int
-    launched_at: float
-    location: str  # local: the group's state directory; kubernetes: the namespace
-    startup_timeout: float
-    teardown_grace: float
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["extra"] = dict(self.extra)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GroupHandle:
-        return cls(**{**data, "extra": dict(data.get("extra") or {})})
+__all__ = [
+    "Backend",
+    "FailureReport",
+    "GroupHandle",
+    "KubernetesHandle",
+    "LocalHandle",
+    "Relaunch",
+    "RelaunchKind",
+    "backend_for",
+    "backend_from_handle",
+]
 
 
 @dataclass(frozen=True)
@@ -40,36 +42,106 @@ class FailureReport:
     retryable: bool
 
 
+class RelaunchKind(StrEnum):
+    """Why a group that ended badly may be launched again within the same try, each with its own budget."""
+
+    PORT_RACE = "port_race"  # local: another process took the rendezvous port first
+    PREEMPTION = "preemption"  # kubernetes: preempted, evicted, node lost
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    kind: RelaunchKind
+    why: str
+
+
 class Backend(Protocol):
-    """Decides *where* each node of a plan runs; never *what* it runs."""
+    """What the run engine and the trigger may ask of a backend."""
 
-    name: str
+    name: ClassVar[str]
 
-    def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan: ...
+    @classmethod
+    def from_handle(cls, handle: Any) -> Backend:
+        """The backend that launched ``handle``, rebuilt in another process (trigger, retry)."""
+        ...
 
-    def launch(self, plan: GroupPlan, *, watch_caller: bool) -> GroupHandle: ...
+    def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
+        """Pure: each node's command and env (the wiring's plan, with this backend's addresses)."""
+        ...
 
-    def observe(self, handle: GroupHandle) -> list[NodeObservation]: ...
+    def launch(self, plan: GroupPlan, *, watch_caller: bool) -> GroupHandle:
+        """Start every node; raises ``GroupLaunchError`` (nothing left running) when it cannot."""
+        ...
 
-    async def observe_async(self, handle: GroupHandle) -> list[NodeObservation]: ...
+    def observe(self, handle: Any) -> list[NodeObservation]:
+        """One look at every node. May raise; the watch core decides what an error means."""
+        ...
 
-    def read_new_log_lines(self, handle: GroupHandle) -> list[str]: ...
+    async def observe_async(self, handle: Any) -> list[NodeObservation]: ...
 
-    def explain(self, handle: GroupHandle, status: GroupStatus) -> FailureReport: ...
+    def read_new_log_lines(self, handle: Any) -> list[str]:
+        """Lines of the group's logs not returned before (by this instance)."""
+        ...
 
-    def log_locations(self, handle: GroupHandle) -> list[str]: ...
+    def log_locations(self, handle: Any) -> list[str]: ...
 
-    def teardown(self, handle: GroupHandle) -> None: ...
+    def explain(self, handle: Any, status: GroupStatus) -> FailureReport:
+        """The failure message (first failing rank, reason, log tail) and whether a retry may help."""
+        ...
+
+    def teardown(self, handle: Any) -> None:
+        """Stop every process or pod of the group. Idempotent and total."""
+        ...
+
+    async def teardown_async(self, handle: Any) -> None:
+        await asyncio.to_thread(self.teardown, handle)
+
+    def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> GroupHandle | None:
+        """A live group of an earlier try of this task instance to attach to (none by default)."""
+        return None
+
+    def stop_earlier_tries(self, identity: GroupIdentity) -> list[str]:
+        """Stop groups earlier tries of this task instance left running; their ids (none by default)."""
+        return []
+
+    def relaunch_reason(self, handle: Any, status: GroupStatus) -> Relaunch | None:
+        """Why this failed group may be launched again within the try without spending a retry."""
+        return None
+
+    def progress_mark(self, handle: Any) -> object | None:
+        """A value that changes whenever the group shows progress; ``None``: this backend cannot tell."""
+        return None
+
+    async def progress_mark_async(self, handle: Any) -> object | None:
+        return await asyncio.to_thread(self.progress_mark, handle)
 
 
-def get_backend(name: str, **options: Any) -> Backend:
-    """Backends are imported only when used, so parsing a DAG never loads them."""
-    if name == "local":
-        from airflow_torchrun.backends.local import LocalBackend
+# name -> (module, class): imported only when used, so parsing a DAG never loads a backend.
+_REGISTRY = {
+    "local": ("airflow_torchrun.backends.local", "LocalBackend"),
+    "kubernetes": ("airflow_torchrun.backends.kubernetes", "KubernetesBackend"),
+}
 
-        return LocalBackend(**options)
-    if name == "kubernetes":
-        from airflow_torchrun.backends.kubernetes import KubernetesBackend  # type: ignore[import-not-found]
 
-        return KubernetesBackend(**options)  # type: ignore[no-any-return]
-    raise ValueError(f"unknown backend {name!r}")
+def _backend_class(name: str) -> Any:
+    try:
+        module, attr = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_REGISTRY)}") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def backend_for(name: str, **options: Any) -> Backend:
+    """A new backend by name with its constructor options."""
+    backend: Backend = _backend_class(name)(**options)
+    return backend
+
+
+def backend_from_handle(handle: GroupHandle) -> Backend:
+    """The backend that launched ``handle``, rebuilt from the handle alone (another process)."""
+    backend: Backend = _backend_class(handle.backend).from_handle(handle)
+    return backend
+
+
+# Kept for callers of the first version.
+get_backend = backend_for

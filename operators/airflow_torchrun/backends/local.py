@@ -5,6 +5,8 @@ Layout of one group (one try of one task) under the state directory::
     groups/<group_id>/group.json                 the handle
     groups/<group_id>/node-<n>/node.log          the agent's and its ranks' output, prefixed
     groups/<group_id>/node-<n>/supervisor.json   written when the node starts (pids)
+    groups/<group_id>/node-<n>/supervisor.log    the supervisor's own output
+    groups/<group_id>/node-<n>/agent-error.json  torchrun's error file of the agent, if it failed
     groups/<group_id>/node-<n>/exit.json         written when the node is gone (code, signal)
     groups/<group_id>/node-<n>/torchrun/...      torchrun's per-rank logs and error files
 
@@ -26,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from airflow_torchrun import diagnosis
-from airflow_torchrun.backends.base import FailureReport, GroupHandle
+from airflow_torchrun.backends.base import Backend, FailureReport, Relaunch, RelaunchKind
+from airflow_torchrun.backends.handles import LocalHandle
 from airflow_torchrun.backends.procs import group_pids, pid_alive, stop_group
 from airflow_torchrun.errors import GroupLaunchError
-from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec
 from airflow_torchrun.state import state_dir as default_state_dir
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
 from airflow_torchrun.wiring import GroupIdentity, GroupPlan, plan
@@ -45,13 +48,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, state_dir: str | os.PathLike[str] | None = None) -> None:
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self._log_offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
+
+    @classmethod
+    def from_handle(cls, handle: LocalHandle) -> LocalBackend:
+        # <state_dir>/groups/<group_id>
+        return cls(state_dir=Path(handle.group_dir).parent.parent)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
@@ -70,21 +78,22 @@ class LocalBackend:
         )
 
     # -- launching --------------------------------------------------------------------------
-    def launch(self, plan: GroupPlan, *, watch_caller: bool = True) -> GroupHandle:
+    def launch(self, plan: GroupPlan, *, watch_caller: bool = True) -> LocalHandle:
         group_dir = self.state_dir / "groups" / plan.group_id
         if group_dir.exists() and any(group_dir.iterdir()):
             # A previous launch of this very try: keep its logs, never overwrite them.
             stale = group_dir.with_name(f"{group_dir.name}.{int(time.time() * 1000)}")
             group_dir.rename(stale)
-        handle = GroupHandle(
-            backend=self.name,
+        handle = LocalHandle(
             group_id=plan.group_id,
             num_nodes=len(plan.nodes),
+            world_size=plan.spec.world_size,
             launched_at=time.time(),
-            location=str(group_dir),
             startup_timeout=plan.spec.startup_timeout,
             teardown_grace=plan.spec.teardown_grace,
-            extra={"master_port": plan.master_port, "world_size": plan.spec.world_size},
+            relaunch=plan.identity.relaunch,
+            group_dir=str(group_dir),
+            master_port=plan.master_port,
         )
         started: list[subprocess.Popen[bytes]] = []
         try:
@@ -118,15 +127,15 @@ class LocalBackend:
         return handle
 
     # -- watching ---------------------------------------------------------------------------
-    def observe(self, handle: GroupHandle) -> list[NodeObservation]:
+    def observe(self, handle: LocalHandle) -> list[NodeObservation]:
         return [self._observe_node(handle, n) for n in range(handle.num_nodes)]
 
-    async def observe_async(self, handle: GroupHandle) -> list[NodeObservation]:
+    async def observe_async(self, handle: LocalHandle) -> list[NodeObservation]:
         # Reading a few small files; run off the event loop all the same.
         return await asyncio.to_thread(self.observe, handle)
 
-    def _observe_node(self, handle: GroupHandle, node_rank: int) -> NodeObservation:
-        node_dir = Path(handle.location) / f"node-{node_rank}"
+    def _observe_node(self, handle: LocalHandle, node_rank: int) -> NodeObservation:
+        node_dir = Path(handle.group_dir) / f"node-{node_rank}"
         exit_info = _read_json(node_dir / "exit.json")
         if exit_info is not None:
             code = int(exit_info["returncode"])
@@ -156,10 +165,10 @@ class LocalBackend:
         return NodeObservation(node_rank=node_rank, phase=NodePhase.RUNNING, started_at=sup.get("started_at"))
 
     # -- logs -------------------------------------------------------------------------------
-    def log_locations(self, handle: GroupHandle) -> list[str]:
-        return [str(Path(handle.location) / f"node-{n}" / "node.log") for n in range(handle.num_nodes)]
+    def log_locations(self, handle: LocalHandle) -> list[str]:
+        return [str(Path(handle.group_dir) / f"node-{n}" / "node.log") for n in range(handle.num_nodes)]
 
-    def read_new_log_lines(self, handle: GroupHandle) -> list[str]:
+    def read_new_log_lines(self, handle: LocalHandle) -> list[str]:
         """Complete lines written since the last call, node by node; agent lines get a prefix."""
         out: list[str] = []
         for node_rank, path_s in enumerate(self.log_locations(handle)):
@@ -183,8 +192,8 @@ class LocalBackend:
         return out
 
     # -- failure ----------------------------------------------------------------------------
-    def explain(self, handle: GroupHandle, status: GroupStatus) -> FailureReport:
-        group_dir = Path(handle.location)
+    def explain(self, handle: LocalHandle, status: GroupStatus) -> FailureReport:
+        group_dir = Path(handle.group_dir)
         reported: list[diagnosis.RankFailure] = []
         error_files: list[tuple[int, str]] = []
         logs: dict[int, str] = {}
@@ -209,13 +218,30 @@ class LocalBackend:
             message = f"Training group {handle.group_id} could not start: {status.reason}.\n{message}"
         return FailureReport(message=message, retryable=cause.retryable if cause else True)
 
-    def port_in_use(self, handle: GroupHandle) -> bool:
-        """Node 0 lost the race for the rendezvous port (another process bound it first)."""
-        log = _read_text(Path(handle.location) / "node-0" / "node.log")
-        return "EADDRINUSE" in log or "Address already in use" in log
+    def relaunch_reason(self, handle: LocalHandle, status: GroupStatus) -> Relaunch | None:
+        """Node 0 lost the race for the rendezvous port: :func:`free_port` found it free, then
+        another process bound it before node 0's agent did. torchrun reports it only in words
+        (its agent error file, else the node's log), so this is where those words are read."""
+        node0 = Path(handle.group_dir) / "node-0"
+        said = _read_text(node0 / "agent-error.json") or _read_text(node0 / "node.log")
+        if "EADDRINUSE" in said or "Address already in use" in said:
+            return Relaunch(
+                RelaunchKind.PORT_RACE, f"its rendezvous port {handle.master_port} was taken by another process"
+            )
+        return None
+
+    def progress_mark(self, handle: LocalHandle) -> object | None:
+        """The sizes of the nodes' logs: every rank's output lands there."""
+        out = []
+        for path in self.log_locations(handle):
+            try:
+                out.append(os.stat(path).st_size)
+            except FileNotFoundError:
+                out.append(-1)
+        return tuple(out)
 
     # -- teardown ---------------------------------------------------------------------------
-    def teardown(self, handle: GroupHandle) -> None:
+    def teardown(self, handle: LocalHandle) -> None:
         """Stop every process of the group: SIGTERM, then SIGKILL after the grace period.
 
         Idempotent and total: supervisors, agents and workers (whatever their session or parent)
@@ -223,7 +249,7 @@ class LocalBackend:
         """
         stop_group(handle.group_id, grace=handle.teardown_grace)
 
-    def stop_earlier_tries(self, identity: GroupIdentity, grace: float) -> list[str]:
+    def stop_earlier_tries(self, identity: GroupIdentity) -> list[str]:
         """Stop groups that earlier tries of this task instance left running (a deferred task
         failed by the scheduler never re-enters to tear its group down). Returns their ids."""
         stopped = []
@@ -231,11 +257,12 @@ class LocalBackend:
             for relaunch in range(0, 8):
                 group_id = replace(identity, try_number=try_number, relaunch=relaunch).group_id
                 if group_pids(group_id):
-                    stop_group(group_id, grace=grace)
+                    recorded = _read_json(self.state_dir / "groups" / group_id / "group.json") or {}
+                    stop_group(group_id, grace=float(recorded.get("teardown_grace", DEFAULT_TEARDOWN_GRACE)))
                     stopped.append(group_id)
         return stopped
 
-    def running_pids(self, handle: GroupHandle) -> list[int]:
+    def running_pids(self, handle: LocalHandle) -> list[int]:
         return group_pids(handle.group_id)
 
 

@@ -1,4 +1,4 @@
-"""``EvaluateModelOperator``: an evaluation script on a checkpoint, through the same group machinery."""
+"""``EvaluateModelOperator``: an evaluation script on a checkpoint, through the same run engine."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.compat import AirflowFailException
-from airflow_torchrun.operators.training import DistributedTrainingOperator
+from airflow_torchrun.operators.group import GroupOperator
 from airflow_torchrun.worker.metrics import METRICS_ENV
 
 if TYPE_CHECKING:
-    from airflow_torchrun.backends.base import Backend, GroupHandle
+    from airflow_torchrun.backends.handles import GroupHandle
     from airflow_torchrun.compat import Context
-    from airflow_torchrun.spec import GroupSpec
-    from airflow_torchrun.status import GroupStatus
+    from airflow_torchrun.watch import Verdict
+
+STORAGE_BUDGET = 120.0
 
 
-class EvaluateModelOperator(DistributedTrainingOperator):
+class EvaluateModelOperator(GroupOperator):
     """Evaluate a trained checkpoint with a torchrun script (1 node x 1 process by default).
 
     The script is an ordinary torchrun script. Its ranks see ``TRAIN_RESUME_FROM`` (and
@@ -25,17 +26,27 @@ class EvaluateModelOperator(DistributedTrainingOperator):
     state, and ``EVAL_METRICS_URI``, where ``airflow_torchrun.worker.metrics.report_metrics()``
     (rank 0) writes the metrics. The task returns those metrics through XCom (e.g. for
     ``RegisterModelOperator(metrics=evaluate.output)``) and logs them, prefixed with
-    ``metrics_prefix``, into the MLflow run ``mlflow_run_id`` (the training run).
+    ``metrics_prefix``, into the MLflow run ``mlflow_run_id`` (the training run); the group's
+    summary is under the XCom key ``group_summary``.
 
     :param checkpoint: URI of the committed checkpoint to evaluate (templated), e.g.
         ``"{{ ti.xcom_pull('train')['final_checkpoint'] }}"``.
     :param mlflow_run_id: MLflow run to log the metrics into (templated); none: not logged.
     :param metrics_prefix: Prefix of the metric names in MLflow (default ``eval_``).
+    :param shard_manifest: URI of a ``ShardDatasetOperator`` manifest (``TRAIN_SHARD_MANIFEST``;
+        the evaluation split is in it). Templated.
 
-    Every other argument is :class:`DistributedTrainingOperator`'s.
+    The group's arguments (``script``, ``num_nodes``, ``backend``, ``runtime``, timeouts,
+    ``deferrable``, storage access...) mean what they mean for
+    :class:`~airflow_torchrun.DistributedTrainingOperator`.
     """
 
-    template_fields: Sequence[str] = (*DistributedTrainingOperator.template_fields, "checkpoint", "mlflow_run_id")
+    template_fields: Sequence[str] = (
+        *GroupOperator.group_template_fields,
+        "checkpoint",
+        "mlflow_run_id",
+        "shard_manifest",
+    )
     ui_color = "#6a5acd"
 
     def __init__(
@@ -44,36 +55,34 @@ class EvaluateModelOperator(DistributedTrainingOperator):
         checkpoint: str,
         mlflow_run_id: str | None = None,
         metrics_prefix: str = "eval_",
+        shard_manifest: str | None = None,
         num_nodes: int = 1,
         nproc_per_node: int = 1,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("track", False)
-        kwargs.setdefault("resume", "never")
         super().__init__(num_nodes=num_nodes, nproc_per_node=nproc_per_node, **kwargs)
         self.checkpoint = checkpoint
         self.mlflow_run_id = mlflow_run_id
         self.metrics_prefix = metrics_prefix
-        self._metrics_uri: str | None = None
+        self.shard_manifest = shard_manifest
+        self.validate(allow_templates=True)
 
     def contract_env(self, context: Context) -> dict[str, str]:
-        from airflow_torchrun.checkpoint import CheckpointStore, ref_from_uri, storage_env
+        from airflow_torchrun.checkpoint import CheckpointStore, ref_from_uri
 
         if not self.checkpoint:
             raise AirflowFailException(f"{self._where}: checkpoint is empty; did the training task save one?")
         ref = ref_from_uri(self.checkpoint)
-        root = self.checkpoint.rstrip("/").rpartition("/")[0]
-        options = self._storage_options()
-        CheckpointStore(root, options).read_marker(ref.step)  # only a committed checkpoint is evaluated
-        self._metrics_uri = self._metrics_location(context)
-        self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, self._metrics_uri)
-        env = storage_env(options)
+        options = self.storage_options_resolved()
+        store = CheckpointStore(self._checkpoint_root(), options)
+        # Only a committed checkpoint is evaluated.
+        self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step), STORAGE_BUDGET)
+        metrics_uri = self._metrics_location(context)
+        self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
+        # Storage credentials by the same rule as training's: never in plain pod env.
+        env = self.rank_storage_env(options)
         env.update(
-            {
-                "TRAIN_RESUME_FROM": self.checkpoint,
-                "EVAL_CHECKPOINT_URI": self.checkpoint,
-                METRICS_ENV: self._metrics_uri,
-            }
+            {"TRAIN_RESUME_FROM": self.checkpoint, "EVAL_CHECKPOINT_URI": self.checkpoint, METRICS_ENV: metrics_uri}
         )
         if self.shard_manifest:
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
@@ -83,35 +92,58 @@ class EvaluateModelOperator(DistributedTrainingOperator):
             env.update(rank_env(self.mlflow_run_id, resolve_tracking_uri(self.mlflow_tracking_uri)))
         return env
 
+    def contract_env_preview(self, context: Context) -> dict[str, str]:
+        return {
+            "TRAIN_RESUME_FROM": str(self.checkpoint),
+            "EVAL_CHECKPOINT_URI": str(self.checkpoint),
+            METRICS_ENV: self._metrics_location(context),
+        }
+
+    def _checkpoint_root(self) -> str:
+        return self.checkpoint.rstrip("/").rpartition("/")[0]
+
     def _metrics_location(self, context: Context) -> str:
         """Beside the checkpoint, one file per try (deterministic: a deferred re-entry finds it)."""
         ti = context["ti"]
-        root = self.checkpoint.rstrip("/").rpartition("/")[0]
-        return f"{root}/eval/{ti.task_id}-try{ti.try_number}.json"
+        return f"{self._checkpoint_root()}/eval/{ti.task_id}-try{ti.try_number}.json"
 
-    def _finish(
-        self, context: Context, spec: GroupSpec, backend: Backend, handle: GroupHandle, status: GroupStatus
-    ) -> dict[str, Any]:
-        summary = super()._finish(context, spec, backend, handle, status)  # raises when the group failed
-        self._metrics_uri = self._metrics_location(context)
-        metrics = self._read_metrics()
-        context["ti"].xcom_push(key="group_summary", value=summary)
+    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, float]:
+        metrics = self._read_metrics(self._metrics_location(context))
+        context["ti"].xcom_push(
+            key="group_summary",
+            value={
+                "group_id": handle.group_id,
+                "backend": handle.backend,
+                "world_size": handle.world_size,
+                "node_exit_codes": [n.exit_code for n in verdict.nodes],
+                "log_dir": handle.log_dir,
+            },
+        )
         self.log.info("Evaluation metrics: %s", json.dumps(metrics, sort_keys=True))
         if self.mlflow_run_id:
-            from airflow_torchrun.tracking import client
-
-            mlflow = client(self.mlflow_tracking_uri)
-            for key, value in metrics.items():
-                mlflow.log_metric(self.mlflow_run_id, f"{self.metrics_prefix}{key}", value)
+            self._log_metrics(metrics)
         return metrics
 
-    def _read_metrics(self) -> dict[str, float]:
+    def _log_metrics(self, metrics: dict[str, float]) -> None:
+        """Into the training run; best effort: the metrics are in XCom whatever MLflow does."""
+        from airflow_torchrun.tracking import client
+
+        try:
+            mlflow = client(self.mlflow_tracking_uri)
+            for key, value in metrics.items():
+                mlflow.log_metric(str(self.mlflow_run_id), f"{self.metrics_prefix}{key}", value)
+        except Exception as exc:
+            self.log.warning(
+                "Could not log the evaluation metrics into MLflow run %s (%s); they are in this task's XCom",
+                self.mlflow_run_id,
+                exc,
+            )
+
+    def _read_metrics(self, metrics_uri: str) -> dict[str, float]:
         from airflow_torchrun.checkpoint import CheckpointStore
 
-        if self._metrics_uri is None:
-            raise AirflowFailException(f"{self._where}: no metrics location was prepared")
-        root, _, name = self._metrics_uri.rpartition("/")
-        store = CheckpointStore(root, self._storage_options())
+        root, _, name = metrics_uri.rpartition("/")
+        store = CheckpointStore(root, self.storage_options_resolved())
         try:
             with store.fs.open(f"{store.path_of(root)}/{name}", "r") as fp:
                 data = json.load(fp)

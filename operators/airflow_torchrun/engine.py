@@ -1,0 +1,224 @@
+"""The run engine: attach -> launch -> watch -> relaunch -> finish, for every operator that runs a group.
+
+An operator composes a :class:`RunEngine` with its own rank contract (``contract_env``) and its
+own finish; the engine owns the group's life: it stops or attaches to what earlier tries left,
+launches, pushes the handle at once, watches with the one watch core (in this process, or in the
+triggerer after ``defer_after`` seconds), tears the group down on every way out, and decides
+whether a group that ended badly is relaunched within the try (:class:`Launches`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from airflow_torchrun.backends.base import RelaunchKind
+from airflow_torchrun.compat import AirflowException
+from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
+
+if TYPE_CHECKING:
+    from airflow_torchrun.backends.base import Backend
+    from airflow_torchrun.backends.handles import GroupHandle
+    from airflow_torchrun.settings import WatchSettings
+    from airflow_torchrun.spec import GroupSpec
+    from airflow_torchrun.wiring import GroupIdentity
+
+PORT_RACE_RETRIES = 3
+XCOM_GROUP = "group"
+XCOM_LAUNCHES = "launches"
+
+
+@dataclass
+class Launches:
+    """Relaunches within one try, each kind with its own budget; they never spend Airflow's retries.
+
+    A lost rendezvous-port race (local, up to 3) and a preempted or evicted group (Kubernetes, up
+    to ``max_preemptions``, like Ray's ``max_failures``) are not the script's fault. Everything
+    else goes to Airflow's retries.
+    """
+
+    port_races: int = 0
+    preemptions: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.port_races + self.preemptions
+
+    def to_dict(self) -> dict[str, int]:
+        return {"port_races": self.port_races, "preemptions": self.preemptions}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Launches:
+        data = data or {}
+        return cls(port_races=int(data.get("port_races", 0)), preemptions=int(data.get("preemptions", 0)))
+
+    def decide(
+        self, backend: Backend, handle: GroupHandle, verdict: Verdict, max_preemptions: int
+    ) -> tuple[str | None, str | None]:
+        """``(why relaunch, None)``, or ``(None, why not)`` / ``(None, None)`` when the try ends here."""
+        if verdict.outcome is not Outcome.FAILED:
+            return None, None
+        relaunch = backend.relaunch_reason(handle, verdict.group_status())
+        if relaunch is None:
+            return None, None
+        if relaunch.kind is RelaunchKind.PORT_RACE:
+            if self.port_races >= PORT_RACE_RETRIES:
+                return None, f"{relaunch.why}, {self.port_races} time(s) already; failing this try"
+            self.port_races += 1
+            return f"{relaunch.why} (port race {self.port_races} of {PORT_RACE_RETRIES})", None
+        if self.preemptions >= max_preemptions:
+            return None, (
+                f"the group was disrupted ({relaunch.why}) but its preemption budget is spent "
+                f"({self.preemptions} relaunch(es), max_preemptions={max_preemptions}); failing this try"
+            )
+        self.preemptions += 1
+        return f"the group was disrupted ({relaunch.why}), preemption {self.preemptions} of {max_preemptions}", None
+
+
+@dataclass
+class RunEngine:
+    """One task instance's group, from launch (or attach) to the end of the try."""
+
+    backend: Backend
+    spec: GroupSpec
+    settings: WatchSettings
+    log: Any  # the operator's logger
+    push: Callable[[str, Any], None]  # XCom push of this try
+    identity: Callable[[int], GroupIdentity]  # relaunch number -> identity
+    contract_env: Callable[[], Mapping[str, str]]
+    deadline: float | None = None  # epoch: the task's execution_timeout
+    handle: GroupHandle | None = None
+    killed: bool = False
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self) -> tuple[GroupHandle, Launches]:
+        """Stop (local) or attach to (Kubernetes) what earlier tries left; else launch a new group."""
+        identity = self.identity(0)
+        for group_id in self.backend.stop_earlier_tries(identity):
+            self.log.warning("Stopped group %s, left running by an earlier try of this task", group_id)
+        found = self.backend.find_existing(identity, self.spec)
+        if found is not None:
+            self.handle = found
+            self.push(XCOM_GROUP, found.to_dict())
+            self.log.info("Attaching to group %s, started by an earlier try of this task", found.group_id)
+            # An attached relaunch keeps counting against the preemption budget.
+            return found, Launches(preemptions=found.relaunch)
+        return self.launch(0), Launches()
+
+    def launch(self, relaunch: int) -> GroupHandle:
+        plan = self.backend.plan(self.spec, self.identity(relaunch), self.contract_env())
+        # In deferrable mode this process exits while the group runs: the group must not follow it.
+        handle = self.backend.launch(plan, watch_caller=not self.settings.deferrable)
+        self.handle = handle
+        # Push now so that on error (or a dead worker) the group can still be found.
+        self.push(XCOM_GROUP, handle.to_dict())
+        self.log.info(
+            "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s",
+            handle.group_id,
+            self.backend.name,
+            self.spec.num_nodes,
+            self.spec.nproc_per_node,
+            self.spec.world_size,
+            plan.master_addr,
+            plan.master_port,
+        )
+        for path in self.backend.log_locations(handle):
+            self.log.info("Group %s log: %s", handle.group_id, path)
+        return handle
+
+    # -- run ------------------------------------------------------------------------------------
+    def drive(
+        self,
+        handle: GroupHandle,
+        launches: Launches,
+        *,
+        verdict: Verdict | None = None,
+        defer: Callable[[GroupHandle, Launches], NoReturn] | None = None,
+    ) -> tuple[GroupHandle, Verdict]:
+        """Watch (or take ``verdict`` from the trigger), tear down, relaunch while allowed; the last verdict.
+
+        With ``defer`` (deferrable mode), a group still running after ``defer_after`` seconds is
+        handed to the triggerer: ``defer`` raises and this returns only on re-entry.
+        """
+        while True:
+            if verdict is None:
+                verdict = self.watch(handle, launches, defer)
+            self.settle(handle)
+            why, why_not = launches.decide(self.backend, handle, verdict, self.settings.max_preemptions)
+            if why_not:
+                self.log.warning("Group %s: %s", handle.group_id, why_not)
+            if why is None:
+                return handle, verdict
+            self.log.warning(
+                "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
+            )
+            self.push(XCOM_LAUNCHES, launches.to_dict())
+            handle, verdict = self.launch(launches.count), None
+
+    def watch(
+        self, handle: GroupHandle, launches: Launches, defer: Callable[[GroupHandle, Launches], NoReturn] | None
+    ) -> Verdict:
+        s = self.settings
+        config = WatchConfig(
+            poll_interval=s.poll_interval,
+            progress_timeout=s.progress_timeout,
+            deadline=self.deadline,
+            error_budget=s.observe_error_budget,
+        )
+        until = time.time() + s.defer_after if defer is not None else None
+        try:
+            verdict = watch_sync(
+                self.backend,
+                handle,
+                Watch.of(handle, config, time.time()),
+                emit=self._emit,
+                after_look=lambda: self._after_look(handle),
+                until=until,
+            )
+        except BaseException:
+            # on_kill, Airflow's own execution_timeout, the worker told to stop: nothing may stay.
+            self.settle(handle)
+            raise
+        if verdict is None:
+            assert defer is not None  # watch_sync returns None only with ``until``
+            self.push(XCOM_LAUNCHES, launches.to_dict())
+            self.log.info(
+                "Group %s still running after %.0fs (defer_after); deferring: the triggerer watches it from now on",
+                handle.group_id,
+                s.defer_after,
+            )
+            defer(handle, launches)
+        return verdict
+
+    def _emit(self, note: Note) -> None:
+        self.log.log(note.level, "%s", note.message)
+
+    def _after_look(self, handle: GroupHandle) -> None:
+        self.flush_logs(handle)
+        # After the look, not before: on_kill runs in a signal handler, often in the middle of
+        # it, and what the look then sees (a deleted Job, stopped ranks) is on_kill's teardown.
+        if self.killed:
+            raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
+
+    def settle(self, handle: GroupHandle) -> None:
+        """Teardown (on success it only confirms nothing is left), then the last log lines."""
+        self.backend.teardown(handle)
+        self.flush_logs(handle)
+
+    def flush_logs(self, handle: GroupHandle) -> None:
+        try:
+            lines = self.backend.read_new_log_lines(handle)
+        except Exception as exc:  # a log read must never fail a healthy group
+            self.log.warning("Group %s: could not read its logs this time: %s", handle.group_id, exc)
+            return
+        for line in lines:
+            self.log.info("%s", line)
+
+    def kill(self) -> None:
+        """``on_kill``: stop the whole group (idempotent)."""
+        self.killed = True
+        if self.handle is not None:
+            self.log.info("on_kill: tearing down group %s", self.handle.group_id)
+            self.backend.teardown(self.handle)

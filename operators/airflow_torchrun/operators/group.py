@@ -1,0 +1,410 @@
+"""``GroupOperator``: what every operator that runs a torchrun group shares, and nothing more.
+
+It owns the group's arguments (what to run, on how many agents, where, how it is watched) and
+wires a :class:`~airflow_torchrun.engine.RunEngine`; a subclass adds only its own rank contract
+(:meth:`contract_env`) and its own ending (:meth:`finish`). Both modes run through the same
+engine: sync watches in this process; deferrable watches here for ``defer_after`` seconds and
+then in the triggerer, with the same watch core.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+from airflow_torchrun.compat import AirflowException, AirflowFailException, AirflowTaskTimeout, BaseOperator, conf
+from airflow_torchrun.errors import InvalidSpecError, TorchrunError, is_transient, retry_transient
+from airflow_torchrun.settings import (
+    DEFAULT_DEFER_AFTER,
+    CheckpointSettings,
+    KubernetesSettings,
+    WatchSettings,
+    validate_task,
+)
+from airflow_torchrun.spec import (
+    DEFAULT_RDZV_TIMEOUT,
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TEARDOWN_GRACE,
+    GroupSpec,
+    is_templated,
+)
+from airflow_torchrun.state import state_dir
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Outcome
+from airflow_torchrun.wiring import GroupIdentity
+
+if TYPE_CHECKING:
+    from airflow_torchrun.backends.base import Backend
+    from airflow_torchrun.backends.handles import GroupHandle
+    from airflow_torchrun.compat import Context
+    from airflow_torchrun.engine import Launches, RunEngine
+    from airflow_torchrun.runtimes import Runtime
+    from airflow_torchrun.watch import Verdict
+
+T = TypeVar("T")
+# Credentials never go into plain pod env: anyone who may read Jobs would see them.
+_SECRET_STORAGE_OPTIONS = ("key", "secret", "token")
+# The trigger fires no sooner than this after the deferral: the deferring process must have been
+# reported finished by the executor before the trigger re-queues the task (Airflow 3.3 fails a
+# task whose first process reports "success" while it is queued again).
+DEFER_SETTLE_SECONDS = 10.0
+
+
+class GroupOperator(BaseOperator):
+    """Base of the operators that run a torchrun group (see :class:`DistributedTrainingOperator`
+    for every argument's meaning; each operator documents the arguments it adds)."""
+
+    group_template_fields: tuple[str, ...] = (
+        "num_nodes",
+        "nproc_per_node",
+        "backend",
+        "runtime",
+        "script",
+        "command",
+        "script_args",
+        "env",
+    )
+    template_fields_renderers = {"env": "json", "script_args": "py", "command": "py"}
+
+    def __init__(
+        self,
+        *,
+        script: str | None = None,
+        command: Sequence[str] | None = None,
+        script_args: Sequence[str] = (),
+        num_nodes: int = 1,
+        nproc_per_node: int | None = None,
+        env: Mapping[str, str] | None = None,
+        backend: str | None = None,
+        runtime: str | None = None,
+        rdzv_port: int | None = None,
+        rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        teardown_grace: float = DEFAULT_TEARDOWN_GRACE,
+        threads_per_proc: int | None = None,
+        poll_interval: float = 0.1,
+        progress_timeout: float | None = None,
+        observe_error_budget: float = DEFAULT_ERROR_BUDGET,
+        deferrable: bool | None = None,
+        defer_after: float = DEFAULT_DEFER_AFTER,
+        aws_conn_id: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        mlflow_tracking_uri: str | None = None,
+        namespace: str | None = None,
+        kubernetes_conn_id: str | None = None,
+        max_preemptions: int = 3,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if deferrable is None:
+            deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
+        self.deferrable = bool(deferrable)
+        self.backend = backend or conf.get("torchrun", "default_backend", fallback="local")
+        self.script = self._resolve_script(script)
+        self.command = list(command) if command is not None else None
+        self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
+        self.env = dict(env) if isinstance(env, Mapping) else env
+        self.runtime = runtime
+        self.num_nodes = num_nodes
+        self.nproc_per_node = nproc_per_node
+        self.rdzv_port = rdzv_port
+        self.rdzv_timeout = rdzv_timeout
+        self.startup_timeout = startup_timeout
+        self.teardown_grace = teardown_grace
+        self.threads_per_proc = threads_per_proc
+        self.poll_interval = poll_interval
+        self.progress_timeout = progress_timeout
+        self.observe_error_budget = observe_error_budget
+        self.defer_after = defer_after
+        self.max_preemptions = max_preemptions
+        self.aws_conn_id = aws_conn_id
+        self.storage_options = dict(storage_options or {})
+        self.mlflow_tracking_uri = mlflow_tracking_uri
+        self.namespace = namespace
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self._engine: RunEngine | None = None
+
+    # -- what a subclass adds -------------------------------------------------------------------
+    def contract_env(self, context: Context) -> dict[str, str]:
+        """The rank contract beyond torchrun's variables; may do I/O (checked before any rank starts)."""
+        return {}
+
+    def contract_env_preview(self, context: Context) -> dict[str, str]:
+        """What :meth:`contract_env` will add, without I/O (for ``airflow-torchrun render``)."""
+        return {}
+
+    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> Any:
+        """The task's result once the group ended well (failures are raised before this)."""
+        raise NotImplementedError
+
+    def on_group_end(self, context: Context, verdict: Verdict) -> None:
+        """Called once the group ended, well or not, before the task succeeds or fails."""
+
+    def checkpoint_settings(self) -> CheckpointSettings | None:
+        return None
+
+    def kubernetes_settings(self) -> KubernetesSettings:
+        return KubernetesSettings(namespace=self.namespace, kubernetes_conn_id=self.kubernetes_conn_id)
+
+    # -- the spec and settings ----------------------------------------------------------------
+    @property
+    def _where(self) -> str:
+        dag_id = self.dag_id if self.has_dag() else "<no dag>"
+        return f"task {dag_id}.{self.task_id}"
+
+    def watch_settings(self) -> WatchSettings:
+        return WatchSettings(
+            poll_interval=self.poll_interval,
+            progress_timeout=self.progress_timeout,
+            observe_error_budget=self.observe_error_budget,
+            deferrable=self.deferrable,
+            defer_after=self.defer_after,
+            max_preemptions=self.max_preemptions,
+        )
+
+    def validate(self, *, allow_templates: bool) -> GroupSpec | None:
+        """Spec and settings together: one error listing every problem (parse time, then rendered)."""
+        return validate_task(
+            lambda: self._make_spec(allow_templates=allow_templates),
+            where=self._where,
+            backend=self.backend,
+            watch=self.watch_settings(),
+            checkpoint=self.checkpoint_settings(),
+        )
+
+    def group_spec(self) -> GroupSpec:
+        """The rendered task's spec (raises ``InvalidSpecError`` listing every problem)."""
+        spec = self.validate(allow_templates=False)
+        assert spec is not None  # validate_task raises whenever the spec could not be made
+        return spec
+
+    def _resolve_script(self, script: str | None) -> str | None:
+        """Locally, a relative script is looked up here, then beside the DAG file. Elsewhere the
+        path is inside the image and left alone."""
+        if self.backend != "local" or not isinstance(script, str) or is_templated(script) or os.path.isabs(script):
+            return script
+        if Path(script).is_file():
+            return str(Path(script).resolve())
+        if self.has_dag() and self.dag.fileloc:
+            beside_dag = Path(self.dag.fileloc).parent / script
+            if beside_dag.is_file():
+                return str(beside_dag)
+        return script
+
+    def _runtime(self) -> Runtime | None:
+        """The platform runtime (Kubernetes backend; an unknown name fails here, at parse time)."""
+        if self.backend != "kubernetes" or is_templated(self.runtime):
+            return None
+        from airflow_torchrun.runtimes import get_runtime
+
+        return get_runtime(self.runtime, where=self._where)
+
+    def _make_spec(self, *, allow_templates: bool) -> GroupSpec:
+        script = self._resolve_script(self.script) if not allow_templates else self.script
+        runtime = self._runtime()
+        nproc = self.nproc_per_node
+        if nproc is None:
+            nproc = runtime.nproc_per_node if runtime is not None else 1
+        return GroupSpec.create(
+            num_nodes=self.num_nodes,
+            nproc_per_node=nproc,
+            script=script,
+            command=self.command,
+            script_args=self.script_args,
+            env=self.env,
+            backend=self.backend,
+            runtime=self.runtime,
+            rdzv_port=self.rdzv_port,
+            rdzv_timeout=self.rdzv_timeout,
+            startup_timeout=self.startup_timeout,
+            teardown_grace=self.teardown_grace,
+            threads_per_proc=self.threads_per_proc,
+            where=self._where,
+            allow_templates=allow_templates,
+        )
+
+    def _make_backend(self) -> Backend:
+        from airflow_torchrun.backends.base import backend_for
+
+        if self.backend == "kubernetes":
+            k = self.kubernetes_settings()
+            return backend_for(
+                "kubernetes",
+                namespace=k.namespace,
+                kubernetes_conn_id=k.kubernetes_conn_id,
+                all_ranks_logs=k.all_ranks_logs,
+            )
+        return backend_for(self.backend, state_dir=state_dir())
+
+    # -- storage access, shared by every operator ------------------------------------------------
+    def storage_options_resolved(self) -> dict[str, Any]:
+        from airflow_torchrun.checkpoint import storage_options_from_aws_connection
+
+        options: dict[str, Any] = {}
+        if self.aws_conn_id:
+            from airflow_torchrun.compat import BaseHook
+
+            connection = BaseHook.get_connection(self.aws_conn_id)
+            options = storage_options_from_aws_connection(
+                connection.login, connection.password, connection.extra_dejson
+            )
+        return {**options, **self.storage_options}
+
+    def rank_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        """Storage access for the ranks. Local: the connection's credentials in their environment.
+        Kubernetes: never credentials in plain pod env; pods get them from the runtime's Secrets or
+        service account."""
+        from airflow_torchrun.checkpoint import storage_env
+
+        if self.backend != "kubernetes":
+            return storage_env(options)
+        public = {k: v for k, v in options.items() if k not in _SECRET_STORAGE_OPTIONS}
+        if len(public) != len(options):
+            self.log.warning(
+                "Not passing the credentials of aws_conn_id=%s to the pods in plain text; give the runtime "
+                "env_from_secrets or a service account with access to the bucket",
+                self.aws_conn_id,
+            )
+        return storage_env(public)
+
+    def preflight(self, what: str, call: Callable[[], T], budget: float) -> T:
+        """One pre-launch call under the error policy: transient trouble is retried within ``budget``
+        seconds, then fails the try retryably; a permanent error fails the task without retry."""
+        try:
+            return retry_transient(call, budget=budget, what=f"{self._where}: {what}", log=self.log)
+        except TorchrunError as exc:
+            if is_transient(exc):
+                raise AirflowException(
+                    f"{self._where}: {what} failed for {budget:g}s: {exc}. Nothing was launched; a retry may succeed"
+                ) from exc
+            raise AirflowFailException(f"{self._where}: {exc}\n(A retry cannot fix this; not retrying.)") from exc
+        except Exception as exc:
+            if is_transient(exc):
+                raise AirflowException(f"{self._where}: {what} failed for {budget:g}s: {exc}") from exc
+            raise
+
+    # -- running ------------------------------------------------------------------------------
+    def _identity(self, context: Context) -> Callable[[int], GroupIdentity]:
+        ti = context["ti"]
+
+        def identity(relaunch: int) -> GroupIdentity:
+            return GroupIdentity(
+                dag_id=ti.dag_id,
+                task_id=ti.task_id,
+                run_id=ti.run_id,
+                try_number=ti.try_number,
+                map_index=ti.map_index if ti.map_index is not None else -1,
+                relaunch=relaunch,
+            )
+
+        return identity
+
+    def _deadline(self, context: Context, fallback: float) -> float | None:
+        if self.execution_timeout is None:
+            return None
+        started = context["ti"].start_date
+        start = started.timestamp() if started is not None else fallback
+        return start + self.execution_timeout.total_seconds()
+
+    def _new_engine(
+        self, context: Context, spec: GroupSpec, backend: Backend, first_env: Mapping[str, str] | None = None
+    ) -> RunEngine:
+        """The engine of this try. Every launch after the first resolves the contract again (a
+        relaunch resumes from the checkpoint its predecessor committed)."""
+        from airflow_torchrun.engine import RunEngine
+
+        ti = context["ti"]
+        pending = [dict(first_env)] if first_env is not None else []
+
+        def extra_env() -> Mapping[str, str]:
+            return pending.pop() if pending else self.contract_env(context)
+
+        engine = RunEngine(
+            backend=backend,
+            spec=spec,
+            settings=self.watch_settings(),
+            log=self.log,
+            push=lambda key, value: ti.xcom_push(key=key, value=value),
+            identity=self._identity(context),
+            contract_env=extra_env,
+        )
+        self._engine = engine
+        return engine
+
+    def _rendered_spec(self) -> GroupSpec:
+        try:
+            return self.group_spec()
+        except InvalidSpecError as exc:
+            raise AirflowFailException(str(exc)) from exc
+
+    def execute(self, context: Context) -> Any:
+        spec = self._rendered_spec()
+        backend = self._make_backend()
+        # Before anything starts: storage, tracking and the resume point are checked here.
+        engine = self._new_engine(context, spec, backend, first_env=self.contract_env(context))
+        handle, launches = engine.start()
+        engine.deadline = self._deadline(context, handle.launched_at)
+        defer = (lambda h, n: self._defer(context, engine, h, n)) if self.deferrable else None
+        handle, verdict = engine.drive(handle, launches, defer=defer)
+        return self._end(context, engine, handle, verdict)
+
+    def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
+        """Re-entry after the trigger fired: rebuild everything from the event, then go on as sync mode does."""
+        from airflow_torchrun.backends.base import backend_from_handle
+        from airflow_torchrun.engine import XCOM_LAUNCHES, Launches
+        from airflow_torchrun.triggers import GroupEvent
+
+        spec = self._rendered_spec()
+        group_event = GroupEvent.from_payload(event)
+        handle = group_event.handle
+        backend = backend_from_handle(handle)
+        self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
+        engine = self._new_engine(context, spec, backend)
+        engine.handle = handle
+        engine.deadline = self._deadline(context, handle.launched_at)
+        launches = Launches.from_dict(context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_LAUNCHES))
+        handle, verdict = engine.drive(
+            handle,
+            launches,
+            verdict=group_event.verdict(),
+            defer=lambda h, n: self._defer(context, engine, h, n),
+        )
+        return self._end(context, engine, handle, verdict)
+
+    def _defer(self, context: Context, engine: RunEngine, handle: GroupHandle, launches: Launches) -> NoReturn:
+        from airflow_torchrun.triggers import GroupTrigger
+
+        self.defer(
+            trigger=GroupTrigger(
+                handle=handle.to_dict(),
+                poll_interval=max(float(self.poll_interval), 1.0),
+                progress_timeout=self.progress_timeout,
+                deadline=engine.deadline,
+                error_budget=float(self.observe_error_budget),
+                not_before=time.time() + DEFER_SETTLE_SECONDS,
+            ),
+            method_name="execute_complete",
+        )
+        raise AssertionError("defer() returned")  # pragma: no cover - defer always raises
+
+    def _end(self, context: Context, engine: RunEngine, handle: GroupHandle, verdict: Verdict) -> Any:
+        """Succeed with :meth:`finish`, or fail with the group's story (retryable or not)."""
+        self.on_group_end(context, verdict)
+        if verdict.outcome is Outcome.SUCCEEDED:
+            return self.finish(context, handle, verdict)
+        if verdict.outcome is Outcome.TIMEOUT:
+            raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
+        if verdict.outcome is Outcome.ERROR:
+            raise AirflowException(f"Group {handle.group_id} was stopped: {verdict.reason}")
+        report = engine.backend.explain(handle, verdict.group_status())
+        self.log.error("%s", report.message)
+        if not report.retryable:
+            raise AirflowFailException(f"{report.message}\n(A retry cannot fix this; not retrying.)")
+        raise AirflowException(report.message)
+
+    def on_kill(self) -> None:
+        """Task cleared, marked failed, or timed out in the UI: stop the whole group."""
+        if self._engine is not None:
+            self._engine.kill()

@@ -1,0 +1,132 @@
+"""Frozen task settings: how a group is watched, relaunched, checkpointed and tracked. Pure.
+
+Validated together with the :class:`~airflow_torchrun.spec.GroupSpec` by :func:`validate_task`,
+so an invalid task lists every problem at once (spec and settings), at DAG parse time where the
+values are known then and again once templates are rendered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from airflow_torchrun.checkpoint import RESUME_AUTO, RESUME_NEVER, parse_uri
+from airflow_torchrun.errors import InvalidSpecError, StorageError
+from airflow_torchrun.spec import GroupSpec, is_templated
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
+
+DEFAULT_DEFER_AFTER = 60.0
+DEFAULT_STORAGE_BUDGET = 120.0
+DEFAULT_TRACKING_BUDGET = 60.0
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """How the operator and the trigger watch a group (both modes alike)."""
+
+    poll_interval: float = 0.1
+    progress_timeout: float | None = None
+    observe_error_budget: float = DEFAULT_ERROR_BUDGET
+    deferrable: bool = False
+    defer_after: float = DEFAULT_DEFER_AFTER
+    max_preemptions: int = 3
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    checkpoint_uri: str | None = None  # None: the per-run default under [torchrun] checkpoint_base
+    resume: str = RESUME_AUTO
+    keep_last: int = 3
+    aws_conn_id: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    storage_budget: float = DEFAULT_STORAGE_BUDGET
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    namespace: str | None = None
+    kubernetes_conn_id: str | None = None
+    all_ranks_logs: bool = False
+
+
+def _number(problems: list[str], name: str, value: object, *, allow_none: bool = False, zero: bool = False) -> float:
+    if value is None and allow_none:
+        return 0.0
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and (value >= 0 if zero else value > 0)
+    if not ok:
+        what = "a number of seconds >= 0" if zero else "a positive number of seconds"
+        problems.append(f"{name} must be {what}{' or None' if allow_none else ''}, got {value!r}")
+        return 0.0
+    return float(value)  # type: ignore[arg-type]
+
+
+def watch_problems(w: WatchSettings) -> list[str]:
+    problems: list[str] = []
+    _number(problems, "poll_interval", w.poll_interval)
+    _number(problems, "progress_timeout", w.progress_timeout, allow_none=True)
+    _number(problems, "observe_error_budget", w.observe_error_budget, zero=True)
+    _number(problems, "defer_after", w.defer_after, zero=True)
+    m = w.max_preemptions
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        problems.append(f"max_preemptions must be a whole number >= 0, got {m!r}")
+    return problems
+
+
+def checkpoint_problems(c: CheckpointSettings, backend: str) -> list[str]:
+    problems: list[str] = []
+    k = c.keep_last
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        problems.append(f"keep_last must be a whole number >= 1, got {k!r}")
+    for name in ("checkpoint_uri", "resume"):
+        value = getattr(c, name)
+        if value is None or is_templated(value) or value in (RESUME_AUTO, RESUME_NEVER):
+            continue
+        if not isinstance(value, str):
+            problems.append(f"{name} must be a string, got {value!r}")
+            continue
+        try:
+            parse_uri(value)
+        except StorageError as exc:
+            problems.append(f"{name}: {exc}")
+    uri = c.checkpoint_uri
+    if (
+        backend == "kubernetes"
+        and isinstance(uri, str)
+        and not is_templated(uri)
+        and (uri.startswith("file://") or uri.startswith("/"))
+    ):
+        problems.append(
+            f"checkpoint_uri {uri!r} is a local path, which pods on other machines cannot share; "
+            "give checkpoint_uri='s3://...' or set [torchrun] checkpoint_base to shared storage"
+        )
+    return problems
+
+
+def validate_task(
+    make_spec: Callable[[], GroupSpec],
+    *,
+    where: str,
+    backend: str,
+    watch: WatchSettings,
+    checkpoint: CheckpointSettings | None = None,
+    extra: list[str] | None = None,
+) -> GroupSpec | None:
+    """The spec, or one :class:`InvalidSpecError` listing every problem of spec and settings.
+
+    Returns ``None`` when only the settings were checked because the spec still holds templates
+    that ``make_spec`` could not validate (never: it raises with every problem instead).
+    """
+    problems = list(extra or [])
+    spec: GroupSpec | None = None
+    try:
+        spec = make_spec()
+    except InvalidSpecError as exc:
+        problems += exc.problems
+    problems += watch_problems(watch)
+    if checkpoint is not None and not is_templated(backend):
+        problems += checkpoint_problems(checkpoint, backend)
+    if problems:
+        raise InvalidSpecError(problems, where)
+    return spec

@@ -1,0 +1,265 @@
+"""The one watch core: observations (and observation errors) in, decisions out. Pure.
+
+The sync operator and the async trigger drive the same :class:`Watch` with a few-line loop
+(:func:`watch_sync` here, ``GroupTrigger.run`` in :mod:`airflow_torchrun.triggers`), so both
+modes keep waiting, time out, tolerate a flaky API and give up identically. Nothing here does
+I/O or reads a clock: every call takes ``now`` (epoch seconds).
+
+Decisions:
+- the group is terminal (succeeded, failed, could not start within ``startup_timeout``);
+- ``deadline`` (the task's ``execution_timeout``) passed while it still runs;
+- no progress for ``progress_timeout`` seconds (progress records, or log growth: whatever the
+  backend's ``progress_mark`` reflects): the group looks hung;
+- looking at the group failed: a transient error (API 5xx, timeout, a file read at the wrong
+  moment) is tolerated until looks have failed for ``error_budget`` seconds in a row; a
+  permanent one (403, a malformed answer) gives up at once. Giving up never claims the group
+  failed: the verdict says its state is unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from airflow_torchrun.errors import is_transient
+from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, group_status
+
+if TYPE_CHECKING:
+    from airflow_torchrun.backends.base import Backend
+    from airflow_torchrun.backends.handles import GroupHandle
+
+DEFAULT_ERROR_BUDGET = 300.0
+DEFAULT_HEARTBEAT = 60.0
+# How often a run of failed looks is reported while it lasts (the first one always is).
+ERROR_REPORT_EVERY = 30.0
+
+
+class Outcome(StrEnum):
+    """How a watch ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STARTUP_TIMEOUT = "startup_timeout"
+    PROGRESS_TIMEOUT = "progress_timeout"  # no progress for progress_timeout seconds
+    TIMEOUT = "timeout"  # the task's execution_timeout (the watch's deadline) passed
+    ERROR = "error"  # the group could not be observed; its state is unknown
+
+    @property
+    def ok(self) -> bool:
+        return self is Outcome.SUCCEEDED
+
+
+_FROM_STATE = {
+    GroupState.SUCCEEDED: Outcome.SUCCEEDED,
+    GroupState.FAILED: Outcome.FAILED,
+    GroupState.STARTUP_TIMEOUT: Outcome.STARTUP_TIMEOUT,
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A terminal decision, with what every node was last seen doing."""
+
+    outcome: Outcome
+    reason: str = ""
+    nodes: tuple[NodeObservation, ...] = ()
+    failed_node: int | None = None
+
+    def group_status(self) -> GroupStatus:
+        """As a group status, for ``Backend.explain`` (outcomes other than the group's own are failures)."""
+        state = {
+            Outcome.SUCCEEDED: GroupState.SUCCEEDED,
+            Outcome.STARTUP_TIMEOUT: GroupState.STARTUP_TIMEOUT,
+        }.get(self.outcome, GroupState.FAILED)
+        return GroupStatus(state, self.nodes, self.failed_node, self.reason)
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the driver should log: one line per change of state, never one per look."""
+
+    level: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Step:
+    verdict: Verdict | None = None
+    notes: tuple[Note, ...] = ()
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    poll_interval: float = 1.0
+    progress_timeout: float | None = None
+    deadline: float | None = None  # epoch seconds
+    error_budget: float = DEFAULT_ERROR_BUDGET
+    heartbeat: float = DEFAULT_HEARTBEAT
+
+
+@dataclass
+class Watch:
+    """The state machine of one watch of one group (a triggerer restart starts a new one)."""
+
+    group_id: str
+    launched_at: float
+    startup_timeout: float
+    config: WatchConfig
+    started_at: float
+    _phases: tuple[str, ...] = ()
+    _failing_since: float | None = None
+    _failed_looks: int = 0
+    _last_error_report: float = 0.0
+    _mark: object | None = None
+    _progress_at: float = 0.0
+    _told_no_progress: bool = False
+    _heartbeat_at: float = 0.0
+    _nodes: tuple[NodeObservation, ...] = field(default=())
+
+    @classmethod
+    def of(cls, handle: GroupHandle, config: WatchConfig, now: float) -> Watch:
+        return cls(
+            group_id=handle.group_id,
+            launched_at=handle.launched_at,
+            startup_timeout=handle.startup_timeout,
+            config=config,
+            started_at=now,
+            _progress_at=now,
+            _heartbeat_at=now,
+        )
+
+    # -- inputs -------------------------------------------------------------------------------
+    def observed(self, nodes: list[NodeObservation], mark: object | None, now: float) -> Step:
+        """One successful look: ``nodes`` as seen, ``mark`` the backend's progress mark (or None)."""
+        notes: list[Note] = []
+        if self._failing_since is not None:
+            notes.append(
+                Note(
+                    logging.INFO,
+                    f"Group {self.group_id}: observing again after {self._failed_looks} failed look(s) "
+                    f"over {now - self._failing_since:.0f}s",
+                )
+            )
+            self._failing_since, self._failed_looks = None, 0
+        status = group_status(nodes, launched_at=self.launched_at, now=now, startup_timeout=self.startup_timeout)
+        self._nodes = status.nodes
+        phases = tuple(n.phase.value for n in status.nodes)
+        if phases != self._phases:
+            self._phases = phases
+            notes.append(Note(logging.INFO, f"Group {self.group_id} nodes: {', '.join(phases)}"))
+        if status.state.terminal:
+            if status.state is not GroupState.SUCCEEDED:
+                notes.append(Note(logging.ERROR, f"Group {self.group_id} {status.state.value}: {status.reason}"))
+            return Step(
+                Verdict(_FROM_STATE[status.state], status.reason, status.nodes, status.failed_node), tuple(notes)
+            )
+        verdict = self._deadline(now) or self._progress(mark, now, notes)
+        if verdict is None and now - self._heartbeat_at >= self.config.heartbeat:
+            self._heartbeat_at = now
+            notes.append(
+                Note(logging.INFO, f"Group {self.group_id} still running, {now - self.launched_at:.0f}s since launch")
+            )
+        return Step(verdict, tuple(notes))
+
+    def failed(self, exc: BaseException, now: float) -> Step:
+        """One look that raised ``exc``."""
+        transient = is_transient(exc)
+        if self._failing_since is None:
+            self._failing_since = now
+            self._last_error_report = 0.0
+        self._failed_looks += 1
+        spent = now - self._failing_since
+        kind = "transient" if transient else "permanent"
+        if not transient or spent >= self.config.error_budget:
+            why = (
+                f"looking at the group failed for {spent:.0f}s ({self._failed_looks} look(s)), past its "
+                f"observe_error_budget of {self.config.error_budget:g}s; last error: {exc}"
+                if transient
+                else f"looking at the group failed with a permanent error: {exc}"
+            )
+            return Step(
+                Verdict(Outcome.ERROR, f"{why}; the group's state is unknown", self._nodes),
+                (Note(logging.ERROR, f"Group {self.group_id}: {why}"),),
+            )
+        notes: tuple[Note, ...] = ()
+        if self._failed_looks == 1 or now - self._last_error_report >= ERROR_REPORT_EVERY:
+            self._last_error_report = now
+            notes = (
+                Note(
+                    logging.WARNING,
+                    f"Group {self.group_id}: could not look at the group ({kind}, {self._failed_looks} failed "
+                    f"look(s) over {spent:.0f}s of a {self.config.error_budget:g}s budget): {exc}; the group "
+                    "keeps running",
+                ),
+            )
+        return Step(self._deadline(now), notes)
+
+    # -- decisions ----------------------------------------------------------------------------
+    def _deadline(self, now: float) -> Verdict | None:
+        if self.config.deadline is not None and now >= self.config.deadline:
+            return Verdict(
+                Outcome.TIMEOUT, "the task's execution_timeout passed while the group was still running", self._nodes
+            )
+        return None
+
+    def _progress(self, mark: object | None, now: float, notes: list[Note]) -> Verdict | None:
+        limit = self.config.progress_timeout
+        if limit is None:
+            return None
+        if mark is None:
+            # This backend cannot tell (yet): never call a group hung on no evidence.
+            if not self._told_no_progress:
+                self._told_no_progress = True
+                notes.append(
+                    Note(
+                        logging.WARNING,
+                        f"Group {self.group_id}: its backend cannot tell progress; progress_timeout={limit:g}s "
+                        "is not enforced until it can",
+                    )
+                )
+            self._progress_at = now
+            return None
+        if mark != self._mark:
+            self._mark, self._progress_at = mark, now
+            return None
+        if now - self._progress_at >= limit:
+            reason = (
+                f"no progress for {now - self._progress_at:.0f}s (progress_timeout={limit:g}s): no rank logged "
+                "or reported a step; the group looks hung (a stuck collective, a stopped rank, a deadlock)"
+            )
+            return Verdict(Outcome.PROGRESS_TIMEOUT, reason, self._nodes)
+        return None
+
+
+def watch_sync(
+    backend: Backend,
+    handle: GroupHandle,
+    watch: Watch,
+    *,
+    emit: Callable[[Note], None],
+    after_look: Callable[[], None] = lambda: None,
+    until: float | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Verdict | None:
+    """Drive ``watch`` until a verdict, or until ``until`` (epoch) passes first (then ``None``)."""
+    while True:
+        try:
+            nodes = backend.observe(handle)
+            mark = backend.progress_mark(handle) if watch.config.progress_timeout is not None else None
+        except Exception as exc:
+            step = watch.failed(exc, clock())
+        else:
+            step = watch.observed(nodes, mark, clock())
+        for note in step.notes:
+            emit(note)
+        after_look()
+        if step.verdict is not None:
+            return step.verdict
+        if until is not None and clock() >= until:
+            return None
+        sleep(watch.config.poll_interval)
