@@ -4,6 +4,7 @@ training-time overhead of checkpointing in the example trainer.
 Run standalone (about 2 minutes on 2 cores)::
 
     .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--skip-s3] [--skip-train]
+        [--json rows.json]
 
 S3 is moto's server on localhost (started here, in this process), reached through s3fs over HTTP:
 compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rows import row, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -176,7 +178,39 @@ def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, floa
     return float(match.group(2)), float(match.group(3))
 
 
-def bench_training(epochs: int, repeat: int, workdir: Path) -> list[list[str]]:
+@dataclass
+class TrainRow:
+    mode: str
+    train_s: float  # median training-loop time
+    blocked_s: float  # median time inside save_checkpoint
+    baseline_s: float  # median training-loop time without checkpointing, same run
+
+    def cells(self) -> list[str]:
+        overhead = 100.0 * (self.train_s - self.baseline_s) / self.baseline_s
+        share = 100.0 * self.blocked_s / self.train_s
+        return [self.mode, f"{self.train_s:.2f}", f"{overhead:+.1f}%", f"{self.blocked_s:.3f}", f"{share:.1f}%"]
+
+
+def report_rows(io_rows: list[Row], train_rows: list[TrainRow]) -> list[dict[str, object]]:
+    rows = [
+        row(
+            f"checkpoint {r.op}, {r.backend}, {r.size_mb:.0f} MB",
+            r.size_mb / r.ours_s,
+            "raw copy of the same bytes",
+            r.size_mb / r.raw_s,
+            "MB/s",
+        )
+        for r in io_rows
+    ]
+    rows += [
+        row(f"example trainer's training time, {t.mode}", t.train_s, "no checkpointing, same run", t.baseline_s, "s")
+        for t in train_rows
+        if t.mode != "no checkpointing"
+    ]
+    return rows
+
+
+def bench_training(epochs: int, repeat: int, workdir: Path) -> list[TrainRow]:
     base = ["--epochs", str(epochs), "--log-every", "1000"]
     modes = [
         ("no checkpointing", {}, []),
@@ -192,13 +226,15 @@ def bench_training(epochs: int, repeat: int, workdir: Path) -> list[list[str]]:
                 run_env["TRAIN_CHECKPOINT_URI"] = str(workdir / f"train-{uuid.uuid4().hex[:8]}")
             results[name].append(run_trainer(run_env, base + extra))
     baseline = statistics.median(t for t, _ in results["no checkpointing"])
-    rows = []
-    for name, _, _ in modes:
-        train = statistics.median(t for t, _ in results[name])
-        blocked = statistics.median(c for _, c in results[name])
-        overhead = 100.0 * (train - baseline) / baseline
-        rows.append([name, f"{train:.2f}", f"{overhead:+.1f}%", f"{blocked:.3f}", f"{100.0 * blocked / train:.1f}%"])
-    return rows
+    return [
+        TrainRow(
+            name,
+            statistics.median(t for t, _ in results[name]),
+            statistics.median(c for _, c in results[name]),
+            baseline,
+        )
+        for name, _, _ in modes
+    ]
 
 
 def main() -> None:
@@ -208,6 +244,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30, help="trainer epochs for the overhead runs (default 30)")
     parser.add_argument("--skip-s3", action="store_true", help="no S3 (moto) measurements")
     parser.add_argument("--skip-train", action="store_true", help="no training-overhead measurements")
+    parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     workdir = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
@@ -230,6 +267,7 @@ def main() -> None:
         print(table(header, [r.cells() for r in rows]))
         print("ours = save_checkpoint/load_checkpoint (torch.save/load + RNG file + commit marker);")
         print("raw = the same bytes written (fsync + rename on disk) or read, no serialisation.")
+        train_rows: list[TrainRow] = []
         if not args.skip_train:
             del state
             print()
@@ -238,9 +276,11 @@ def main() -> None:
                 f"median of {args.repeat}"
             )
             header = ["mode", "train s", "vs none", "blocked in save s", "blocked share"]
-            print(table(header, bench_training(args.epochs, args.repeat, workdir)))
+            train_rows = bench_training(args.epochs, args.repeat, workdir)
+            print(table(header, [t.cells() for t in train_rows]))
             print("train s = the training loop (periodic saves included, the final save not);")
             print("blocked = time the training loop spent inside save_checkpoint.")
+        write_json(args.json, report_rows(rows, train_rows))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

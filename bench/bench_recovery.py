@@ -7,7 +7,7 @@ retry resumes from step 40's committed checkpoint... or the newest committed one
   trains (its progress line), through Airflow's retry in ``dag.test()``;
 - baseline, same run: a fresh group's launch -> its first step (the unavoidable start-up cost).
 
-Run: ``.venv/bin/python bench/bench_recovery.py [--repeats 3]``.
+Run: ``.venv/bin/python bench/bench_recovery.py [--repeats 3] [--json rows.json]``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import sys
 from datetime import datetime
 
 from bench_group import ROOT, WORK, write_dag
+from rows import row, write_json
 
 TRAINER = ROOT / "images" / "trainer" / "train.py"
 STEP_LINE = re.compile(r"\[node 0 rank 0\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 train INFO step (\d+)/")
@@ -70,6 +71,7 @@ def one_run(i: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
     recovery, fresh = zip(*(one_run(i) for i in range(args.repeats)), strict=True)
@@ -87,6 +89,9 @@ def main() -> None:
     (out / "bench_recovery.json").write_text(
         json.dumps({"raw": {"recovery": recovery, "fresh": fresh}, **results}, indent=2)
     )
+    anchor = "fresh group launch -> first step, same run"
+    rows = [row("rank death -> training again under an Airflow retry", med(recovery), anchor, med(fresh), "s")]
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":
