@@ -56,7 +56,7 @@ def test_ensure_run_reuses_the_run_across_tries(tracking_uri: str) -> None:
     from mlflow import MlflowClient
 
     first = ensure_run(_context(1))
-    finish_run(first, succeeded=False)
+    assert finish_run(first, succeeded=False) is True
     second = ensure_run(_context(2))
     other_task = ensure_run(_context(1, task_id="evaluate"))
     assert second == first and other_task != first
@@ -121,12 +121,16 @@ def _closed_port() -> int:
 
 def test_unreachable_tracking_server_fails_fast_with_a_clear_message(silent_port: int) -> None:
     started = time.monotonic()
-    with pytest.raises(TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"):
+    with pytest.raises(
+        TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"
+    ) as info:
         ensure_run(_context(1), tracking_uri=f"http://127.0.0.1:{_closed_port()}")
+    assert info.value.transient  # the operator rides it out within its budget, then retries the task
     from airflow_torchrun.tracking import check_tracking_uri
 
-    with pytest.raises(TrackingUnreachableError, match=r"timed out.*within 0\.5s"):
+    with pytest.raises(TrackingUnreachableError, match=r"timed out.*within 0\.5s") as info:
         check_tracking_uri(f"http://127.0.0.1:{silent_port}", timeout=0.5)
+    assert info.value.transient
     # MLflow's own client would retry with backoff for minutes; generous bound, far from that.
     assert time.monotonic() - started < 30
 

@@ -20,6 +20,19 @@ and task, kept across tries). Typical use in a training script::
 Metrics are buffered and sent with one ``log_batch`` call every ``flush_every`` steps (or
 ``flush_seconds``), not one request per value. Steps already in the run (logged by an earlier
 try before it failed) are not logged again, so each step appears once in the run's history.
+
+Tracking is best effort: no MLflow failure reaches the training loop. While the server does not
+answer, metrics and params stay buffered (a value leaves the buffer only once the server took it)
+and are sent again after a back-off (5 s doubling to 60 s; each attempt waits at most
+``request_timeout`` seconds, MLflow's own minutes-long retries are turned off for it). The buffer
+holds at most ``max_buffered`` values: past that the *oldest* are dropped, counted in
+``metrics_dropped`` and named in a warning. :meth:`RunLogger.close` keeps trying for
+``close_budget`` seconds, then warns about what is left unsent. A value the server refuses
+(permanent error, e.g. an invalid key) is dropped with an error log. Re-sending a batch whose
+answer was lost does not duplicate it: every value keeps its timestamp, and MLflow's SQL store
+ignores a metric identical in key, value, timestamp and step. Artifacts (the loss curve, the
+model) ride out an outage of up to 30 s / 60 s, then are skipped with a warning; errors that are
+not the server's absence (a model that cannot be saved) are raised as before.
 No Airflow import here; mlflow is imported on rank 0 only, when first needed.
 """
 
@@ -30,16 +43,20 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from airflow_torchrun.errors import is_transient, retry_transient
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
-    from mlflow.entities import Metric
+    from mlflow.entities import Metric, Param
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +64,40 @@ LOSS = "loss"
 THROUGHPUT = "throughput_samples_per_s"
 DATA_WAIT = "data_wait_fraction"
 STEP_TIME = "step_time_s"
-# MLflow accepts at most 1000 metrics in one log_batch request.
+# MLflow accepts at most 1000 metrics (and 100 params) in one log_batch request.
 _BATCH_LIMIT = 1000
+_PARAM_LIMIT = 100
+# After a failed send: wait this long before the next attempt, doubling up to the maximum.
+RETRY_FIRST_S = 5.0
+RETRY_MAX_S = 60.0
+# The variables MLflow's HTTP client reads on every request (see bounded_requests).
+_HTTP_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+_HTTP_TIMEOUT = "MLFLOW_HTTP_REQUEST_TIMEOUT"
+
+
+@contextmanager
+def bounded_requests(*, timeout: float | None, retries: int = 0) -> Iterator[None]:
+    """MLflow HTTP requests made inside the block: at most ``retries`` retries, ``timeout`` s each.
+
+    MLflow's client otherwise retries a dead server for minutes (7 retries, back-off factor 2,
+    120 s timeouts): far longer than a task's budget, and a stalled training loop. MLflow reads
+    these two variables per request, so they are set for the block and restored after it
+    (process-wide while the block runs: enter it from one thread at a time).
+    ``timeout=None`` leaves the timeout alone (artifact uploads may take long).
+    """
+    wanted = {_HTTP_RETRIES: str(int(retries))}
+    if timeout is not None:
+        wanted[_HTTP_TIMEOUT] = str(max(1, round(timeout)))
+    saved = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -124,12 +173,17 @@ class RunLogger:
 
     Also a no-op (with one warning) when no run is configured, so a script still runs outside
     Airflow. Use it as a context manager, or call :meth:`close`, so buffered metrics are sent.
+    No method raises because MLflow is down or refuses a value (see the module docstring).
 
     :param run_id: Default: ``MLFLOW_RUN_ID``.
     :param tracking_uri: Default: ``MLFLOW_TRACKING_URI``.
     :param rank: Default: ``RANK``.
     :param flush_every: Send buffered metrics every this many steps.
     :param flush_seconds: ...or when this much time passed since the last send.
+    :param max_buffered: Most metric values kept while MLflow does not answer; past it the oldest
+        are dropped (and counted in ``metrics_dropped``).
+    :param request_timeout: Seconds one request to the tracking server may take.
+    :param close_budget: Seconds :meth:`close` keeps retrying what is still buffered.
     """
 
     def __init__(
@@ -140,21 +194,35 @@ class RunLogger:
         rank: int | None = None,
         flush_every: int = 20,
         flush_seconds: float = 10.0,
+        max_buffered: int = 100_000,
+        request_timeout: float = 5.0,
+        close_budget: float = 30.0,
     ) -> None:
         self.rank = current_rank() if rank is None else rank
         self.run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self.flush_every = max(1, int(flush_every))
         self.flush_seconds = float(flush_seconds)
+        self.max_buffered = max(1, int(max_buffered))
+        self.request_timeout = float(request_timeout)
+        self.close_budget = float(close_budget)
         self.enabled = self.rank == 0 and self.run_id is not None
         if self.rank == 0 and self.run_id is None:
             log.warning("MLFLOW_RUN_ID is not set: not logging to MLflow (run through DistributedTrainingOperator)")
         self._client: MlflowClient | None = None
         self._pending: list[Metric] = []
+        self._pending_params: dict[str, str] = {}
         self._pending_steps = 0
         self._last_flush = time.monotonic()
         self._logged: dict[str, set[int]] = {}
+        # Keys whose history could not be read (server down): checked before their values are sent.
+        self._unverified: set[str] = set()
+        self._retry_at = 0.0
+        self._retry_delay = RETRY_FIRST_S
+        self._outage_since: float | None = None
         self.steps_skipped = 0
+        #: Metric values dropped because the buffer overflowed or the server refused them.
+        self.metrics_dropped = 0
 
     # -- plumbing ------------------------------------------------------------------------------
     @property
@@ -172,15 +240,85 @@ class RunLogger:
             raise RuntimeError("no MLflow run configured (MLFLOW_RUN_ID is not set)")
         return self.run_id
 
+    @property
+    def pending(self) -> int:
+        """Metric values buffered and not yet taken by the server."""
+        return len(self._pending)
+
+    def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with bounded_requests(timeout=self.request_timeout, retries=0):
+            return fn(*args, **kwargs)
+
+    def _where(self) -> str:
+        return self.tracking_uri or "the MLflow tracking URI"
+
+    def _failed(self, exc: Exception, doing: str) -> None:
+        """Note a transient failure: back off, and warn once per outage."""
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+            log.warning(
+                "MLflow at %s did not answer while %s (%s); training goes on, %d metric values stay buffered "
+                "(at most %d; the oldest are dropped past that) and are sent again in %.0fs",
+                self._where(),
+                doing,
+                exc,
+                len(self._pending),
+                self.max_buffered,
+                self._retry_delay,
+            )
+        else:
+            log.debug("MLflow still not answering while %s: %s", doing, exc)
+        self._retry_at = now + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, RETRY_MAX_S)
+
+    def _answered(self) -> None:
+        if self._outage_since is not None:
+            log.warning(
+                "MLflow at %s answers again after %.0fs; buffered values sent",
+                self._where(),
+                time.monotonic() - self._outage_since,
+            )
+        self._outage_since = None
+        self._retry_at = 0.0
+        self._retry_delay = RETRY_FIRST_S
+
     def _steps_logged(self, key: str) -> set[int]:
         """Steps of metric ``key`` already in the run, read once per key."""
         if key not in self._logged:
-            # A resumed try repeats the steps between its checkpoint and the failure.
-            steps = {m.step for m in self.client.get_metric_history(self._run, key)}
-            if steps:
-                log.info("MLflow run already holds %s up to step %d; not logging those steps again", key, max(steps))
-            self._logged[key] = steps
+            self._logged[key] = set()
+            if time.monotonic() < self._retry_at:
+                self._unverified.add(key)
+            else:
+                try:
+                    self._read_history(key)
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
+                    self._unverified.add(key)
+                    self._failed(exc, f"reading the history of {key}")
         return self._logged[key]
+
+    def _read_history(self, key: str) -> None:
+        # A resumed try repeats the steps between its checkpoint and the failure.
+        steps = {m.step for m in self._call(self.client.get_metric_history, self._run, key)}
+        if steps:
+            log.info("MLflow run already holds %s up to step %d; not logging those steps again", key, max(steps))
+        self._logged[key] |= steps
+        self._unverified.discard(key)
+
+    def _verify(self) -> None:
+        """Read the history of every key first seen during an outage; drop what the run already has."""
+        skipped: set[int] = set()
+        for key in sorted(self._unverified):
+            buffered = set(self._logged[key])
+            self._logged[key] = set()
+            self._read_history(key)
+            known = self._logged[key]
+            skipped |= {m.step for m in self._pending if m.key == key and m.step in known}
+            self._pending = [m for m in self._pending if m.key != key or m.step not in known]
+            self._logged[key] |= buffered
+        self.steps_skipped += len(skipped)
 
     def __enter__(self) -> RunLogger:
         return self
@@ -191,26 +329,56 @@ class RunLogger:
         self.close()
 
     def close(self) -> None:
-        """Send what is buffered."""
-        self.flush()
+        """Send what is buffered, retrying for up to ``close_budget`` seconds; never raises."""
+        if not self.enabled:
+            return
+        deadline = time.monotonic() + self.close_budget
+        while not self.flush():
+            wait = max(0.0, self._retry_at - time.monotonic())
+            if time.monotonic() + wait >= deadline:
+                break
+            time.sleep(wait)
+        if self._pending or self._pending_params:
+            steps = sorted({m.step for m in self._pending})
+            log.warning(
+                "MLflow at %s did not take %d buffered metric values (steps %s) and %d params within %.0fs; "
+                "they are not in run %s (training itself is unaffected)",
+                self._where(),
+                len(self._pending),
+                f"{steps[0]}-{steps[-1]}" if steps else "none",
+                len(self._pending_params),
+                self.close_budget,
+                self.run_id,
+            )
 
     # -- params and metrics --------------------------------------------------------------------
     def log_params(self, params: Mapping[str, object]) -> None:
-        """Log hyperparameters once: keys the run already has are left as they are."""
+        """Log hyperparameters once: keys the run already has are left as they are.
+
+        Sent now; while MLflow does not answer they wait in the buffer with the metrics.
+        """
         if not self.enabled or not params:
+            return
+        for key, value in params.items():
+            self._pending_params.setdefault(str(key), str(value)[:6000])
+        self.flush()
+
+    def _send_params(self) -> None:
+        if not self._pending_params:
             return
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self._run).data.params
-        new = []
-        for key, value in params.items():
-            text = str(value)[:6000]
+        existing = self._call(self.client.get_run, self._run).data.params
+        new: list[Param] = []
+        for key, text in self._pending_params.items():
             if key not in existing:
-                new.append(Param(str(key), text))
+                new.append(Param(key, text))
             elif existing[key] != text:
                 log.warning("MLflow param %s already logged as %r; keeping it (not %r)", key, existing[key], text)
-        for start in range(0, len(new), 100):
-            self.client.log_batch(self._run, params=new[start : start + 100])
+        for start in range(0, len(new), _PARAM_LIMIT):
+            chunk = new[start : start + _PARAM_LIMIT]
+            self._call(self.client.log_batch, self._run, params=chunk)
+        self._pending_params.clear()
 
     def log_step(
         self,
@@ -245,7 +413,14 @@ class RunLogger:
         """Buffer metrics for ``step``; a metric an earlier try already logged at ``step`` is left out."""
         if not self.enabled:
             return
-        fresh = {k: float(v) for k, v in metrics.items() if step not in self._steps_logged(k)}
+        try:
+            fresh = {k: float(v) for k, v in metrics.items() if step not in self._steps_logged(k)}
+        except Exception as exc:  # permanent: the run is gone or the key is refused
+            log.error(
+                "MLflow refused reading run %s (%s); these metrics of step %d are dropped", self.run_id, exc, step
+            )
+            self.metrics_dropped += len(metrics)
+            return
         if len(fresh) < len(metrics):
             self.steps_skipped += 1
         if not fresh:
@@ -257,17 +432,96 @@ class RunLogger:
         for key in fresh:
             self._logged[key].add(step)
         self._pending_steps += 1
-        if self._pending_steps >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
+        self._drop_overflow()
+        due = self._pending_steps >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds
+        # While MLflow is down, wait out the back-off rather than stall every step on it.
+        if due and time.monotonic() >= self._retry_at:
             self.flush()
 
-    def flush(self) -> None:
-        """Send buffered metrics now (one request per 1000 values)."""
-        if not self.enabled or not self._pending:
+    def _drop_overflow(self) -> None:
+        overflow = len(self._pending) - self.max_buffered
+        if overflow <= 0:
             return
-        pending, self._pending, self._pending_steps = self._pending, [], 0
-        for start in range(0, len(pending), _BATCH_LIMIT):
-            self.client.log_batch(self._run, metrics=pending[start : start + _BATCH_LIMIT])
-        self._last_flush = time.monotonic()
+        dropped, self._pending = self._pending[:overflow], self._pending[overflow:]
+        self.metrics_dropped += overflow
+        log.warning(
+            "MLflow buffer full (%d values while %s does not answer): dropped the oldest %d (steps %d-%d); "
+            "they will be missing from run %s",
+            self.max_buffered,
+            self._where(),
+            overflow,
+            dropped[0].step,
+            dropped[-1].step,
+            self.run_id,
+        )
+
+    def flush(self) -> bool:
+        """Try to send everything buffered now (one request per 1000 values); never raises.
+
+        Returns True when nothing is left buffered. A value leaves the buffer only once the server
+        took it; on a transient failure the rest stays for the next attempt.
+        """
+        if not self.enabled:
+            return True
+        if not self._pending and not self._pending_params:
+            return True
+        try:
+            self._send_params()
+            self._verify()
+            while self._pending:
+                chunk = self._pending[:_BATCH_LIMIT]
+                try:
+                    self._call(self.client.log_batch, self._run, metrics=chunk)
+                except Exception as exc:
+                    if is_transient(exc):
+                        raise
+                    log.error(
+                        "MLflow refused %d metric values (steps %d-%d) for run %s: %s; dropped them",
+                        len(chunk),
+                        chunk[0].step,
+                        chunk[-1].step,
+                        self.run_id,
+                        exc,
+                    )
+                    self.metrics_dropped += len(chunk)
+                del self._pending[: len(chunk)]
+        except Exception as exc:
+            if is_transient(exc):
+                self._failed(exc, "sending metrics")
+            else:
+                log.error(
+                    "MLflow refused run %s (%s); %d buffered params dropped",
+                    self.run_id,
+                    exc,
+                    len(self._pending_params),
+                )
+                self._pending_params.clear()
+            return False
+        finally:
+            self._pending_steps = 0
+            self._last_flush = time.monotonic()
+        self._answered()
+        return True
+
+    def _best_effort(self, what: str, fn: Callable[[], T], budget: float) -> T | None:
+        """Run an artifact upload, riding out an outage of up to ``budget`` seconds; past it warn and
+        return None. A permanent error (a model that cannot be saved, say) is raised: it is a bug
+        to fix, not the server's weather."""
+        try:
+            with bounded_requests(timeout=None, retries=0):
+                return retry_transient(fn, budget=budget, what=what, log=log)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning(
+                "%s: MLflow at %s did not answer within %.0fs (%s); training is unaffected, run %s lacks it",
+                what,
+                self._where(),
+                budget,
+                exc,
+                self.run_id,
+            )
+            return None
 
     # -- artifacts -----------------------------------------------------------------------------
     def log_loss_curve(self, *, metric: str = LOSS, artifact_file: str = "loss_curve.png") -> str | None:
@@ -275,6 +529,9 @@ class RunLogger:
         if not self.enabled:
             return None
         self.flush()
+        return self._best_effort(f"Logging {artifact_file}", lambda: self._loss_curve(metric, artifact_file), budget=30)
+
+    def _loss_curve(self, metric: str, artifact_file: str) -> str | None:
         history = sorted((m.step, m.value) for m in self.client.get_metric_history(self._run, metric))
         if not history:
             log.warning("No %s values in MLflow run %s; no loss curve", metric, self.run_id)
@@ -311,11 +568,17 @@ class RunLogger:
 
         Without ``input_example`` the model is saved in MLflow's pickle format (the ``pt2`` format
         needs an example to trace). ``RegisterModelOperator`` finds it by ``name``. Other keyword
-        arguments go to ``mlflow.pytorch.log_model``. Returns the model URI.
+        arguments go to ``mlflow.pytorch.log_model``. Returns the model URI, or None when MLflow did
+        not answer within a minute (a warning says so; training is not failed for it).
         """
         if not self.enabled:
             return None
         self.flush()
+        return self._best_effort(
+            f"Logging model {name}", lambda: self._log_model(model, name, input_example, kwargs), budget=60
+        )
+
+    def _log_model(self, model: Any, name: str, input_example: Any, kwargs: dict[str, Any]) -> str:
         import mlflow
         import mlflow.pytorch
 
