@@ -83,6 +83,7 @@ DAG_FILE = textwrap.dedent(
             teardown_grace=3.0,
             poll_interval=0.5,
             deferrable=True,
+            defer_after=0,
             retries=0,
         )
     """

@@ -1,7 +1,7 @@
 """Local process hygiene with real torchrun agents: nothing is ever left behind.
 
 torchrun puts each worker in a session of its own, so neither killing an agent nor killing its
-process group reaches the workers (FIELD-NOTES). These tests kill things the hard way and check,
+process group reaches the workers (seen with torchrun 2.13). These tests kill things the hard way and check,
 by scanning processes (not by sleeping), that the group is gone.
 """
 

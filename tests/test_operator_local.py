@@ -171,3 +171,44 @@ def test_on_kill_tears_the_group_down(run_dag, tiny_script):
     assert "on_kill" in result.log
     group_id = result.xcom("train", key="group")["group_id"]
     assert group_processes(group_id) == []
+
+
+HANGING = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for step in range(100000):
+        if rank == 1 and step == 5:
+            print("rank 1 stopping itself (SIGSTOP)", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)  # a hang: alive, silent, holding every collective
+        dist.all_reduce(torch.ones(1))
+        print(f"rank {rank} step {step}", flush=True)
+        time.sleep(0.2)
+    """
+)
+
+
+@pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
+def test_a_stopped_rank_is_caught_by_progress_timeout_and_nothing_is_left(run_dag, tmp_path, deferrable):
+    script = tmp_path / "hanging.py"
+    script.write_text(HANGING)
+    started = time.monotonic()
+    result = run_dag(
+        f"""
+        DistributedTrainingOperator(
+            task_id="train", script={str(script)!r}, num_nodes=2, nproc_per_node=1, retries=0,
+            deferrable={deferrable}, defer_after=0, progress_timeout=6, teardown_grace=2,
+        )
+        """
+    )
+    assert result.state == "failed", result.log[-3000:]
+    assert "no progress for" in result.log and "progress_timeout=6s" in result.log, result.log[-3000:]
+    assert "rank 1 stopping itself" in result.log
+    group_id = result.xcom("train", key="group")["group_id"]
+    assert group_processes(group_id) == [], "a stopped rank must be killed, not left behind"
+    # Detected in seconds, not after torchrun's 30-minute collective timeout.
+    assert time.monotonic() - started < 120

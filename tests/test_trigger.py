@@ -351,7 +351,7 @@ class K8sGroup:
 
     @property
     def job(self) -> str:
-        return str(self.handle.extra["job_name"])
+        return str(self.handle.job_name)
 
     def job_deletes(self) -> list[Any]:
         return [c for c in self.fake.calls_to("DELETE", "jobs") if c.path.endswith(f"/jobs/{self.job}")]
@@ -371,7 +371,7 @@ def k8s_group(tmp_path: Path) -> Iterator[K8sGroup]:
         )
         plan = backend.plan(spec, GroupIdentity("trigger_test", "train", "run-k8s"), {})
         handle = backend.launch(plan, watch_caller=False)
-        fake.create_pods(K8S_NS, str(handle.extra["job_name"]))
+        fake.create_pods(K8S_NS, str(handle.job_name))
         yield K8sGroup(fake, backend, handle)
     finally:
         fake.stop()

@@ -45,6 +45,12 @@ CONFIG_OPTIONS = {
         None,
         "https://mlflow.example.com",
     ),
+    "defer_after": _option(
+        "Deferrable tasks: seconds the worker watches a group itself before it defers to the triggerer, "
+        "so a group of seconds never defers (operator argument defer_after).",
+        "60",
+        "0",
+    ),
     "runtimes_file": _option(
         "YAML file of named runtimes for the Kubernetes backend.", None, "/opt/airflow/config/torchrun-runtimes.yaml"
     ),

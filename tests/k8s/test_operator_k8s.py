@@ -307,7 +307,7 @@ def leave_group_behind(**context: Any) -> None:
     train = context["dag"].get_task("train")
     backend = KubernetesBackend(namespace=train.namespace, kubernetes_conn_id=train.kubernetes_conn_id)
     identity = GroupIdentity(dag_id=ti.dag_id, task_id="train", run_id=ti.run_id, try_number=1)
-    backend.launch(backend.plan(train._spec(), identity, {}))
+    backend.launch(backend.plan(train.group_spec(), identity, {}))
 
 
 def test_a_restarted_task_attaches_to_the_group_it_left_running(cluster: FakeKubeAPI, run_dag) -> None:

@@ -141,7 +141,3 @@ def backend_from_handle(handle: GroupHandle) -> Backend:
     """The backend that launched ``handle``, rebuilt from the handle alone (another process)."""
     backend: Backend = _backend_class(handle.backend).from_handle(handle)
     return backend
-
-
-# Kept for callers of the first version.
-get_backend = backend_for

@@ -1,9 +1,10 @@
 """Finding and stopping a group's processes by the marker every one of them inherits.
 
 torchrun starts each worker in a session of its own, so killing an agent's process group does not
-reach its workers, and a SIGKILLed agent leaves them running (FIELD-NOTES). Every process of a
-group carries ``AIRFLOW_TORCHRUN_GROUP_ID`` in its environment from exec on, so it can be found
-from /proc whatever became of its parent. PIDs are re-checked before each signal.
+reach its workers, and a SIGKILLed agent leaves them running (seen with torchrun 2.13, even when
+the agent's whole process group was SIGKILLed). Every process of a group carries
+``AIRFLOW_TORCHRUN_GROUP_ID`` in its environment from exec on, so it can be found from /proc
+whatever became of its parent. PIDs are re-checked before each signal.
 """
 
 from __future__ import annotations

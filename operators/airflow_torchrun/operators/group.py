@@ -88,7 +88,7 @@ class GroupOperator(BaseOperator):
         progress_timeout: float | None = None,
         observe_error_budget: float = DEFAULT_ERROR_BUDGET,
         deferrable: bool | None = None,
-        defer_after: float = DEFAULT_DEFER_AFTER,
+        defer_after: float | None = None,
         aws_conn_id: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         mlflow_tracking_uri: str | None = None,
@@ -117,6 +117,8 @@ class GroupOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.progress_timeout = progress_timeout
         self.observe_error_budget = observe_error_budget
+        if defer_after is None:
+            defer_after = conf.getfloat("torchrun", "defer_after", fallback=DEFAULT_DEFER_AFTER)
         self.defer_after = defer_after
         self.max_preemptions = max_preemptions
         self.aws_conn_id = aws_conn_id
@@ -396,8 +398,9 @@ class GroupOperator(BaseOperator):
             return self.finish(context, handle, verdict)
         if verdict.outcome is Outcome.TIMEOUT:
             raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
-        if verdict.outcome is Outcome.ERROR:
-            raise AirflowException(f"Group {handle.group_id} was stopped: {verdict.reason}")
+        if verdict.outcome in (Outcome.ERROR, Outcome.PROGRESS_TIMEOUT):
+            where = ", ".join(engine.backend.log_locations(handle))
+            raise AirflowException(f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}")
         report = engine.backend.explain(handle, verdict.group_status())
         self.log.error("%s", report.message)
         if not report.retryable:

@@ -89,7 +89,10 @@ class DistributedTrainingOperator(GroupOperator):
         with the same message as in sync mode) when the group is done. Defaults to
         ``[operators] default_deferrable``.
     :param defer_after: Deferrable mode: seconds the worker watches the group itself before it
-        defers (default 60), so a group of seconds never defers at all.
+        defers; default ``[torchrun] defer_after``, else 60, so a group of seconds never defers at
+        all. Once deferred, the trigger reports the end no sooner than 10 s after the deferral (a
+        task re-queued by its trigger before Airflow has processed the deferring process's exit is
+        failed by the scheduler: seen with Airflow 3.3.2).
     """
 
     template_fields: Sequence[str] = (
