@@ -3,7 +3,8 @@
 Bind the fixtures in a test module with ``moto_s3 = s3_fixtures.moto_s3`` (and ``s3_env``,
 ``restartable_s3``). For outages: :class:`RestartableS3` stops and restarts a server on the same
 port (moto keeps its buckets in this process, like a real store keeps its data), and
-:func:`s3_error_server` answers every request with one S3 error (a 503 ``SlowDown``, say).
+:func:`s3_error_server` answers every request with one S3 error (a 503 ``SlowDown``, say);
+``hung_port`` accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -183,13 +184,8 @@ def restartable_s3() -> Iterator[RestartableS3]:
 
 
 @contextlib.contextmanager
-def s3_error_server(status: int, code: str, message: str = "injected by the test") -> Iterator[str]:
-    """An HTTP server on localhost answering every request with the S3 error ``code`` and ``status``;
-    yields its endpoint."""
-    body = (
-        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-        "<RequestId>test</RequestId></Error>"
-    ).encode()
+def http_answering(status: int, body: bytes = b"", content_type: str = "application/xml") -> Iterator[str]:
+    """An HTTP server on localhost answering every request with ``status`` and ``body``; yields its URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -197,7 +193,7 @@ def s3_error_server(status: int, code: str, message: str = "injected by the test
             if length:
                 self.rfile.read(length)
             self.send_response(status)
-            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if self.command != "HEAD":
@@ -217,3 +213,26 @@ def s3_error_server(status: int, code: str, message: str = "injected by the test
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def s3_error_server(
+    status: int, code: str, message: str = "injected by the test"
+) -> contextlib.AbstractContextManager[str]:
+    """An endpoint answering every request with the S3 error ``code`` and ``status``."""
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
+        "<RequestId>test</RequestId></Error>"
+    ).encode()
+    return http_answering(status, body)
+
+
+@pytest.fixture
+def hung_port() -> Iterator[int]:
+    """A localhost port that accepts connections and never answers (a hung server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    try:
+        yield int(sock.getsockname()[1])
+    finally:
+        sock.close()

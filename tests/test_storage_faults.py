@@ -8,9 +8,7 @@ store's data would); 5xx answers and a hung endpoint come from small HTTP server
 from __future__ import annotations
 
 import logging
-import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from tests.s3_fixtures import MotoS3, RestartableS3, s3_error_server
 
 moto_s3 = s3_fixtures.moto_s3
 restartable_s3 = s3_fixtures.restartable_s3
+hung_port = s3_fixtures.hung_port
 log = logging.getLogger(__name__)
 
 
@@ -124,22 +123,15 @@ def test_http_answers_follow_the_one_error_policy(status: int, code: str, transi
     assert says in str(error)
 
 
-@pytest.fixture
-def hung_endpoint() -> Iterator[str]:
-    """An endpoint that accepts connections and never answers."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
-
-
 @pytest.mark.slow
-def test_a_hung_endpoint_times_out_transient(hung_endpoint: str) -> None:
+def test_a_hung_endpoint_times_out_transient(hung_port: int) -> None:
     """Afterwards: the check gave up after its read timeout (seconds), with a transient error."""
-    options = {"key": "k", "secret": "s", "endpoint_url": hung_endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    options = {
+        "key": "k",
+        "secret": "s",
+        "endpoint_url": f"http://127.0.0.1:{hung_port}",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     error, seconds = _failure(CheckpointStore("s3://some-bucket/run", options))
     assert error.transient
     assert "cannot be reached" in str(error)

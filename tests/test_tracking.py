@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +24,9 @@ from airflow_torchrun.tracking import (
     rank_env,
     resolve_tracking_uri,
 )
+from tests import s3_fixtures
+
+hung_port = s3_fixtures.hung_port
 
 
 @pytest.fixture
@@ -99,18 +101,6 @@ def test_rank_env_and_default_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 # -- an unreachable tracking server --------------------------------------------------------------
-@pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A port that accepts connections and never answers (a hung server)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
-
-
 def _closed_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -119,7 +109,7 @@ def _closed_port() -> int:
     return port
 
 
-def test_unreachable_tracking_server_fails_fast_with_a_clear_message(silent_port: int) -> None:
+def test_unreachable_tracking_server_fails_fast_with_a_clear_message(hung_port: int) -> None:
     started = time.monotonic()
     with pytest.raises(
         TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"
@@ -129,7 +119,7 @@ def test_unreachable_tracking_server_fails_fast_with_a_clear_message(silent_port
     from airflow_torchrun.tracking import check_tracking_uri
 
     with pytest.raises(TrackingUnreachableError, match=r"timed out.*within 0\.5s") as info:
-        check_tracking_uri(f"http://127.0.0.1:{silent_port}", timeout=0.5)
+        check_tracking_uri(f"http://127.0.0.1:{hung_port}", timeout=0.5)
     assert info.value.transient
     # MLflow's own client would retry with backoff for minutes; generous bound, far from that.
     assert time.monotonic() - started < 30

@@ -13,12 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,6 +35,10 @@ from airflow_torchrun.tracking import (
     unfinished_runs,
 )
 from airflow_torchrun.worker.tracking import RunLogger
+from tests import s3_fixtures
+from tests.s3_fixtures import http_answering
+
+hung_port = s3_fixtures.hung_port
 
 log = logging.getLogger(__name__)
 
@@ -189,24 +191,8 @@ def test_a_record_is_dropped_when_a_later_try_took_the_run_over(
 @pytest.fixture
 def http_503() -> Iterator[str]:
     """A server that answers every request 503 (a proxy in front of a dead MLflow)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(503)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_answering(503) as url:
+        yield url
 
 
 def test_check_and_setup_say_transient_or_permanent(
@@ -281,18 +267,6 @@ def test_run_logger_buffer_is_bounded_and_drops_the_oldest(caplog: pytest.LogCap
     text = caplog.text
     assert "buffer full" in text and "dropped the oldest" in text
     assert "did not take 10 buffered metric values (steps 15-24)" in text
-
-
-@pytest.fixture
-def hung_port() -> Iterator[int]:
-    """A port that accepts connections and never answers (a hung server)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    try:
-        yield int(sock.getsockname()[1])
-    finally:
-        sock.close()
 
 
 def test_a_hung_server_does_not_stall_training(hung_port: int) -> None:
