@@ -4,14 +4,17 @@ It serves the few endpoints the Kubernetes backend uses (Jobs, Services, Pods an
 Events, Kueue Workloads, watches of Pods) and plays two parts of the control plane on request of
 the test: the Job controller (``create_pods``, ``fail_job``) and the kubelet/scheduler (``set_*``
 helpers that move pods through phases). It validates what it is sent against the official
-OpenAPI schema (``kubernetes-validate``) and answers 422 like an API server would. No cluster is
-involved: nothing here claims to behave like one beyond these shapes.
+OpenAPI schema (``kubernetes-validate``) and label values as the API server does, and answers 422
+like an API server would. :meth:`FakeKubeAPI.outage` makes it answer an error status (503 by
+default), or hold requests without answer, for a window of time. No cluster is involved: nothing
+here claims to behave like one beyond these shapes.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 import uuid
@@ -60,6 +63,53 @@ class Call:
         if self.query.get("propagationPolicy"):
             return self.query["propagationPolicy"]
         return (self.body or {}).get("propagationPolicy") if isinstance(self.body, dict) else None
+
+
+_REASONS = {
+    400: "BadRequest",
+    403: "Forbidden",
+    404: "NotFound",
+    409: "Conflict",
+    422: "Invalid",
+    429: "TooManyRequests",
+}
+_REASONS |= {500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_MESSAGE = (
+    "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
+    "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for "
+    "validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')"
+)
+
+
+@dataclass
+class Outage:
+    """Requests matching ``method``/``resource`` (None: any) until ``until`` (monotonic) get
+    ``status``, or, with ``hang``, no answer until the window is over (then the normal one)."""
+
+    until: float
+    status: int = 503
+    hang: bool = False
+    method: str | None = None
+    resource: str | None = None
+
+    def hits(self, call: Call) -> bool:
+        if time.monotonic() >= self.until or (self.method and call.method != self.method):
+            return False
+        return self.resource is None or f"/{self.resource}" in call.path
+
+
+def invalid_labels(obj: dict[str, Any]) -> list[str]:
+    """The API server's label value check, on the object and its pod template."""
+    out = []
+    for where, meta in (
+        ("metadata", obj.get("metadata")),
+        ("spec.template.metadata", _get_path(obj, "spec.template.metadata")),
+    ):
+        for key, value in ((meta or {}).get("labels") or {}).items():
+            if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
+                out.append(f"{where}.labels: Invalid value: {json.dumps(value)}: {_LABEL_MESSAGE} ({key})")
+    return out
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -120,6 +170,7 @@ class FakeKubeAPI:
     objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     logs: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
     changes: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # pod watch log
+    outages: list[Outage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._rv = 1000
@@ -145,7 +196,17 @@ class FakeKubeAPI:
                 call = Call(method, parsed.path, query, body)
                 with api._cond:
                     api.calls.append(call)
-                api.dispatch(self, call)
+                    outage = next((o for o in api.outages if o.hits(call)), None)
+                try:
+                    if outage is not None and outage.hang:
+                        time.sleep(max(0.0, outage.until - time.monotonic()))
+                    elif outage is not None:
+                        reason = _REASONS.get(outage.status, "InternalError")
+                        api._send(self, outage.status, _status(outage.status, reason, f"fake outage: {reason}"))
+                        return
+                    api.dispatch(self, call)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up waiting
 
             def do_GET(self) -> None:
                 self._handle("GET")
@@ -183,6 +244,22 @@ class FakeKubeAPI:
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
             "current-context": "fake",
         }
+
+    def outage(
+        self,
+        seconds: float,
+        *,
+        status: int = 503,
+        hang: bool = False,
+        method: str | None = None,
+        resource: str | None = None,
+    ) -> Outage:
+        """From now on, for ``seconds``: answer matching requests with ``status``, or (``hang``)
+        hold them unanswered until the window ends."""
+        window = Outage(time.monotonic() + seconds, status, hang, method, resource)
+        with self._cond:
+            self.outages.append(window)
+        return window
 
     # -- responses ---------------------------------------------------------------------------
     @staticmethod
@@ -262,6 +339,11 @@ class FakeKubeAPI:
                 kubernetes_validate.validate(body, SCHEMA_VERSION, strict=True)
             except kubernetes_validate.ValidationError as exc:
                 return 422, _status(422, "Invalid", f"{kind} is invalid: {exc.message}")
+        bad = invalid_labels(body)
+        if bad:
+            group = ".batch" if kind == "Job" else ""
+            name = (body.get("metadata") or {}).get("name")
+            return 422, _status(422, "Invalid", f'{kind}{group} "{name}" is invalid: {"; ".join(bad)}')
         name = body["metadata"]["name"]
         if (resource, ns, name) in self.objects:
             return 409, _status(409, "AlreadyExists", f'{resource} "{name}" already exists')

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from airflow_torchrun.backends.base import GroupHandle
+from airflow_torchrun.backends.base import GroupHandle, RelaunchKind
 from airflow_torchrun.backends.k8s_render import GROUP_LABEL, KUEUE_QUEUE_LABEL
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError
+from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, parse_runtime
 from airflow_torchrun.status import GroupState, NodePhase, group_status
 from airflow_torchrun.wiring import GroupIdentity
@@ -57,7 +57,7 @@ def running_group(
 ):
     """A launched group whose pods the fake's control plane has started."""
     _, handle = launch(backend, identity, **spec_overrides)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     fake.create_pods(NS, job_name)
     fake.set_running(NS, job_name)
     return handle, job_name
@@ -73,7 +73,7 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
     plan, handle = launch(backend)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
 
     # Job first, then the Service carrying an ownerReference to the Job's uid.
     posts = [c for c in fake_api.calls if c.method == "POST"]
@@ -83,8 +83,8 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
     assert service["metadata"]["ownerReferences"] == [
         {"apiVersion": "batch/v1", "kind": "Job", "name": job_name, "uid": job["metadata"]["uid"], "controller": True}
     ]
-    assert handle.group_id == plan.group_id and handle.num_nodes == 2 and handle.location == NS
-    assert handle.extra["master_addr"] == plan.master_addr == f"{job_name}-0.{job_name}.{NS}.svc"
+    assert handle.group_id == plan.group_id and handle.num_nodes == 2 and handle.namespace == NS
+    assert handle.master_addr == plan.master_addr == f"{job_name}-0.{job_name}.{NS}.svc"
 
     fake_api.create_pods(NS, job_name)
     nodes = backend.observe(handle)
@@ -147,7 +147,7 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     assert status.state is GroupState.FAILED
     assert status.failed_node == 1
     assert "OOMKilled" in status.reason
-    assert backend.preemption(status) is None  # a real failure: Airflow's retries, not a relaunch
+    assert backend.relaunch_reason(handle, status) is None  # a real failure: Airflow's retries, not a relaunch
 
     backend.teardown(handle)  # the operator tears down before it explains: the tail was kept
     report = backend.explain(handle, status)
@@ -182,8 +182,9 @@ def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
     status = settle(backend, handle, lambda s: s.state.terminal)
     assert status.state is GroupState.FAILED
     assert status.failed_node == 0
-    why = backend.preemption(status)
-    assert why is not None and why.startswith("node 0: Preempted (PreemptionByScheduler)")
+    relaunch = backend.relaunch_reason(handle, status)
+    assert relaunch is not None and relaunch.kind is RelaunchKind.PREEMPTION
+    assert relaunch.why.startswith("node 0: Preempted (PreemptionByScheduler)")
     report = backend.explain(handle, status)
     assert "Preempted (PreemptionByScheduler): Preempted in order to admit critical pod" in report.message
     assert report.retryable
@@ -193,7 +194,7 @@ def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_th
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
     _, handle = launch(backend, startup_timeout=2.5)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     fake_api.create_pods(NS, job_name)
     message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
     fake_api.set_unschedulable(NS, job_name, message)
@@ -216,7 +217,7 @@ def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_th
 
 def test_missing_image_fails_without_retry(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
     _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     fake_api.create_pods(NS, job_name)
     fake_api.set_waiting(
         NS,
@@ -240,7 +241,7 @@ def test_missing_image_fails_without_retry(fake_api: FakeKubeAPI, backend: Kuber
 
 def test_rate_limited_image_pull_stays_pending(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
     _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     fake_api.create_pods(NS, job_name)
     fake_api.set_waiting(NS, job_name, 1, "ErrImagePull", "429 Too Many Requests - toomanyrequests: rate limit")
     nodes = backend.observe(handle)
@@ -250,7 +251,7 @@ def test_rate_limited_image_pull_stays_pending(fake_api: FakeKubeAPI, backend: K
 
 def test_quota_refusal_is_the_pending_reason(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
     _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     quota = (
         f'Error creating: pods "{job_name}-0-x7k2p" is forbidden: exceeded quota: gpu-quota, requested: '
         "requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8"
@@ -284,7 +285,7 @@ def test_kueue_queue_creates_a_suspended_job_and_reports_admission(fake_api: Fak
         namespace=NS, config_file=str(kubeconfig), watch_seconds=1.0, runtimes={"queued": queued}
     )
     _, handle = launch(backend, runtime="queued")
-    job = fake_api.job(NS, handle.extra["job_name"])
+    job = fake_api.job(NS, handle.job_name)
     assert job["spec"]["suspend"] is True
     assert job["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "team-a"
     nodes = backend.observe(handle)
@@ -327,9 +328,9 @@ def test_restarted_worker_reattaches_to_the_running_group(
     again = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), watch_seconds=1.0, runtimes=BUILTIN_RUNTIMES)
     found = again.find_existing(dataclasses.replace(IDENTITY, try_number=2), spec)
     assert found is not None
-    assert found.extra["job_name"] == job_name
+    assert found.job_name == job_name
     assert found.group_id == handle.group_id
-    assert found.to_dict()["extra"]["master_addr"] == handle.extra["master_addr"]
+    assert found.to_dict()["master_addr"] == handle.master_addr
     assert abs(found.launched_at - handle.launched_at) < 5  # the Job's creation time
     assert [n.phase for n in again.observe(found)] == [NodePhase.RUNNING, NodePhase.RUNNING]
     assert not [c for c in fake_api.calls if c.method == "POST" and c.path.endswith("/jobs")][1:]
@@ -350,21 +351,42 @@ def test_a_job_being_deleted_is_not_reattached_and_is_waited_out_on_relaunch(
     threading.Timer(0.5, fake_api.release_deletions).start()
     fake_api.hold_deletion = False
     again = backend.launch(plan, watch_caller=True)
-    assert again.extra["job_name"] == handle.extra["job_name"]
-    assert again.extra["job_uid"] != handle.extra["job_uid"]
+    assert again.job_name == handle.job_name
+    assert again.job_uid != handle.job_uid
 
 
-def test_launching_twice_without_teardown_is_refused(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
-    plan, _ = launch(backend)
-    with pytest.raises(GroupLaunchError, match="already exists and is not being deleted"):
+def test_a_leftover_job_of_an_earlier_attempt_of_this_launch_is_replaced(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    """409 AlreadyExists for our own Job (same group: an attempt that failed half-way, or whose
+    create timed out after the server made it): delete it and create the group afresh."""
+    plan, first = launch(backend)
+    again = backend.launch(plan, watch_caller=True)
+    assert again.job_name == first.job_name and again.job_uid != first.job_uid
+    assert_foreground_delete(fake_api, first.job_name)
+    assert [k for k in fake_api.objects if k[0] == "jobs"] == [("jobs", NS, first.job_name)]
+    assert ("services", NS, first.job_name) in fake_api.objects
+
+
+def test_a_foreign_job_of_the_same_name_is_a_permanent_launch_error(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    plan = backend.plan(make_spec(), IDENTITY, {})
+    name = backend.render(plan).name
+    fake_api.add_object("jobs", NS, {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name}})
+    with pytest.raises(GroupLaunchError, match="airflow-torchrun did not create") as info:
         backend.launch(plan, watch_caller=True)
+    assert info.value.transient is False
+    assert ("jobs", NS, name) in fake_api.objects  # not ours: left alone
 
 
-def test_api_server_rejection_is_an_invalid_spec(fake_api: FakeKubeAPI, kubeconfig) -> None:
+def test_api_server_rejection_is_a_permanent_launch_error(fake_api: FakeKubeAPI, kubeconfig) -> None:
     broken = parse_runtime("broken", {"image": "trainer:1", "pod_overrides": {"hostNetworkk": True}})
     backend = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), runtimes={"broken": broken})
-    with pytest.raises(InvalidSpecError, match="the API server rejected Job"):
+    with pytest.raises(GroupLaunchError, match="422 Invalid: Job is invalid") as info:
         launch(backend, runtime="broken")
+    assert info.value.transient is False
+    assert "Fix the runtime 'broken'" in str(info.value)
     assert ("jobs", NS) not in {(k[0], k[1]) for k in fake_api.objects}
 
 
@@ -386,7 +408,7 @@ def test_observe_returns_as_soon_as_a_pod_changes(fake_api: FakeKubeAPI, kubecon
         namespace=NS, config_file=str(kubeconfig), watch_seconds=30.0, runtimes=BUILTIN_RUNTIMES
     )
     _, handle = launch(backend)
-    job_name = handle.extra["job_name"]
+    job_name = handle.job_name
     fake_api.create_pods(NS, job_name)
     backend.observe(handle)  # first look: a list, no watch
     threading.Timer(0.3, fake_api.set_running, args=(NS, job_name)).start()
@@ -401,11 +423,10 @@ def test_observe_returns_as_soon_as_a_pod_changes(fake_api: FakeKubeAPI, kubecon
 def test_relaunch_after_preemption_gets_its_own_name(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:
     _, first = launch(backend)
     _, second = launch(backend, dataclasses.replace(IDENTITY, relaunch=1))
-    assert second.extra["job_name"] == f"{first.extra['job_name']}-r1"
-    assert backend.find_existing(IDENTITY, make_spec()).extra["job_name"] in (  # type: ignore[union-attr]
-        first.extra["job_name"],
-        second.extra["job_name"],
-    )
+    assert second.job_name == f"{first.job_name}-r1"
+    found = backend.find_existing(IDENTITY, make_spec())
+    assert found is not None and found.job_name == second.job_name
+    assert found.relaunch == 1  # from the Job's annotation, not parsed from a name
 
 
 def test_async_observe_uses_the_async_hook_from_the_connection(
@@ -442,15 +463,15 @@ def test_a_trigger_rebuilds_the_backend_from_the_handle_and_sees_progress(
     fake_api.add_log(pod0, "[node 0 rank 0] step 1")
 
     stored = GroupHandle.from_dict(json.loads(json.dumps(handle.to_dict())))  # as XCom / a trigger keeps it
-    watcher = KubernetesBackend(**KubernetesBackend.options_from_handle(stored), runtimes=BUILTIN_RUNTIMES)
+    watcher = KubernetesBackend.from_handle(stored)
     assert (watcher.namespace, watcher.config_file) == (NS, backend.config_file)
 
     async def marks() -> tuple[object, object, object]:
         await watcher.observe_async(stored)
-        first = await watcher.progress_mark(stored)
-        same = await watcher.progress_mark(stored)
+        first = await watcher.progress_mark_async(stored)
+        same = await watcher.progress_mark_async(stored)
         fake_api.add_log(pod0, "[node 0 rank 0] step 2")
-        return first, same, await watcher.progress_mark(stored)
+        return first, same, await watcher.progress_mark_async(stored)
 
     first, same, later = asyncio.run(marks())
     assert first == same != later
@@ -495,6 +516,6 @@ def test_a_failed_leftover_job_is_not_reattached_but_a_completed_one_is(
     _, done_name = running_group(fake_api, backend, dataclasses.replace(IDENTITY, try_number=2))
     fake_api.set_terminated(NS, done_name, None, exit_code=0, reason="Completed")
     found = backend.find_existing(try3, make_spec())
-    assert found is not None and found.extra["job_name"] == done_name
+    assert found is not None and found.job_name == done_name
     status = settle(backend, found, lambda s: s.state.terminal)
     assert status.state is GroupState.SUCCEEDED

@@ -69,7 +69,7 @@ def test_the_role_grants_every_call_the_backend_makes(fake_api, kubeconfig) -> N
     spec = make_spec(runtime="p")
     handle = backend.launch(backend.plan(spec, IDENTITY, {}))
     backend.observe(handle)  # no pods yet: reads events
-    name = handle.extra["job_name"]
+    name = handle.job_name
     fake_api.create_pods(NAMESPACE, name)
     fake_api.set_running(NAMESPACE, name)
     backend.observe(handle)  # watches

@@ -1,15 +1,31 @@
-"""Reading a pod's log incrementally, pure: which lines of a timestamped log are new.
+"""A Kubernetes group's logs: streaming new lines, failure tails, and progress marks, as flows.
 
 The log endpoint has no offsets. Each read asks for ``timestamps=true`` from ``sinceTime`` (the
-second of the last line seen, the API's resolution) and drops what was already returned; lines
-within one nanosecond timestamp are told apart by counting them.
+second of the last line seen, the API's resolution) and :class:`LogCursor` (pure) drops what was
+already returned; lines within one nanosecond timestamp are told apart by counting them.
+
+The flows yield request descriptions (:mod:`~airflow_torchrun.backends.k8s_api`) and are run by
+the sync or async executor (:mod:`~airflow_torchrun.backends.k8s_client`).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
+
+from airflow_torchrun.backends import k8s_api as api
+from airflow_torchrun.backends.handles import KubernetesHandle
+from airflow_torchrun.backends.k8s_api import ClusterApiError
+from airflow_torchrun.backends.k8s_client import Flow
+from airflow_torchrun.backends.k8s_observe import GroupState, container_state, pods_flow
+from airflow_torchrun.backends.k8s_render import CONTAINER
+
+log = logging.getLogger(__name__)
+LOG_TAIL_LINES = 200
 
 _STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2}) ?(.*)$")
 
@@ -63,3 +79,56 @@ class LogCursor:
                 repeats[stamp] = 1
             out.append(line)
         return out
+
+
+def new_lines_flow(handle: KubernetesHandle, state: GroupState, *, all_ranks: bool) -> Flow[list[str]]:
+    """New lines of node 0's log (every node's with ``all_ranks``), rank lines prefixed
+    ``[node N rank R]`` by torchrun, the agent's own lines ``[node N agent]``."""
+    out: list[str] = []
+    pods = yield from pods_flow(handle, state)
+    for node_rank, pod in sorted(pods.items()):
+        if node_rank != 0 and not all_ranks:
+            continue
+        if not {"running", "terminated"} & set(container_state(pod, CONTAINER)):
+            continue
+        pod_name = pod["metadata"]["name"]
+        cursor = state.cursors.setdefault(pod_name, LogCursor())
+        text = yield api.pod_log(handle.namespace, pod_name, CONTAINER, since_time=cursor.since_time(), timestamps=True)
+        if text is None:  # not started yet, or already gone
+            continue
+        for line in cursor.feed(text):
+            out.append(line if line.startswith("[node ") else f"[node {node_rank} agent] {line}")
+    return out
+
+
+def tail_flow(handle: KubernetesHandle, state: GroupState, node_rank: int, pod: Mapping[str, Any] | None) -> Flow[str]:
+    """The last lines of a node's log (kept: a second call reads nothing). Best effort."""
+    if node_rank in state.tails:
+        return state.tails[node_rank]
+    text = ""
+    if pod is not None:
+        try:
+            text = (
+                yield api.pod_log(handle.namespace, pod["metadata"]["name"], CONTAINER, tail_lines=LOG_TAIL_LINES)
+            ) or ""
+        except ClusterApiError as exc:
+            log.debug("No log for node %d of %s: %s", node_rank, handle.group_id, exc)
+        if not text:
+            # terminationMessagePolicy FallbackToLogsOnError: the tail lives in the status.
+            text = str((container_state(pod, CONTAINER).get("terminated") or {}).get("message") or "")
+    state.tails[node_rank] = text
+    return text
+
+
+def progress_flow(handle: KubernetesHandle, state: GroupState) -> Flow[tuple[tuple[int, str], ...] | None]:
+    """Changes whenever a running node's log grows: the timestamp of each running pod's last log
+    line (a hung collective logs nothing). ``None`` while no node runs: nothing to tell by."""
+    pods = yield from pods_flow(handle, state)
+    running = sorted((n, p["metadata"]["name"]) for n, p in pods.items() if "running" in container_state(p, CONTAINER))
+    if not running:
+        return None
+    marks: list[tuple[int, str]] = []
+    for node_rank, pod_name in running:
+        text = yield api.pod_log(handle.namespace, pod_name, CONTAINER, tail_lines=1, timestamps=True)
+        marks.append((node_rank, (text or "").split(" ", 1)[0]))
+    return tuple(marks)

@@ -57,6 +57,8 @@ ANN_MASTER_PORT = f"{PREFIX}master-port"
 ANN_WORLD_SIZE = f"{PREFIX}world-size"
 ANN_RUNTIME = f"{PREFIX}runtime"
 ANN_QUEUE = f"{PREFIX}queue"
+ANN_TRY_NUMBER = f"{PREFIX}try-number"
+ANN_RELAUNCH = f"{PREFIX}relaunch"
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _NODE_RANK_ARG = "--node-rank="
@@ -97,7 +99,7 @@ def instance_key(identity: GroupIdentity) -> str:
 
 def relaunch_of(identity: GroupIdentity) -> int:
     """The relaunch number within one try (after a preemption), 0 for the first launch."""
-    return int(getattr(identity, "relaunch", 0) or 0)
+    return identity.relaunch
 
 
 def group_name(identity: GroupIdentity) -> str:
@@ -153,9 +155,9 @@ def identity_annotations(identity: GroupIdentity) -> dict[str, str]:
         f"{PREFIX}dag-id": identity.dag_id,
         f"{PREFIX}task-id": identity.task_id,
         f"{PREFIX}run-id": identity.run_id,
-        f"{PREFIX}try-number": str(identity.try_number),
+        ANN_TRY_NUMBER: str(identity.try_number),
         f"{PREFIX}map-index": str(identity.map_index),
-        f"{PREFIX}relaunch": str(relaunch_of(identity)),
+        ANN_RELAUNCH: str(relaunch_of(identity)),
     }
 
 
