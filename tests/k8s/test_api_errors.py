@@ -186,3 +186,14 @@ def test_launch_when_the_api_hangs_is_transient(fake_api: FakeKubeAPI, kubeconfi
     patient = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), runtimes=BUILTIN_RUNTIMES)
     again = patient.launch(patient.plan(make_spec(), IDENTITY, {}), watch_caller=True)
     assert [k for k in group_objects(fake_api) if k[0] == "jobs"] == [("jobs", NS, again.job_name)]
+
+
+def test_teardown_async_deletes_the_group_with_the_async_hook_only(
+    fake_api: FakeKubeAPI, k8s_connection: str, backend: KubernetesBackend
+) -> None:
+    handle, job_name = running_group(fake_api, backend)
+    watcher = KubernetesBackend(namespace=NS, kubernetes_conn_id=k8s_connection)  # a trigger's: no kubeconfig file
+    asyncio.run(watcher.teardown_async(handle))
+    asyncio.run(watcher.teardown_async(handle))  # idempotent
+    assert group_objects(fake_api) == [] and fake_api.pods(NS, job_name) == []
+    assert watcher._sync_hook is None
