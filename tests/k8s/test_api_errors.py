@@ -61,6 +61,7 @@ def test_observe_raises_a_transient_timeout_when_the_api_hangs(fake_api: FakeKub
     with pytest.raises(ClusterApiError) as info:
         backend.observe(handle)
     assert is_transient(info.value) and info.value.status is None
+    assert "no answer within 0.3s" in str(info.value)
     assert time.monotonic() - started < window.until - started  # gave up before the server answered
 
     wait_out(window)

@@ -78,7 +78,8 @@ def unreachable(request: Request, exc: BaseException, timeout: float) -> Cluster
     """A request that got no HTTP answer: timed out, refused, reset (transient), or could not be
     made at all (a bad kubeconfig, a missing connection: permanent)."""
     detail = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, TimeoutError | asyncio.TimeoutError) or "timeout" in type(exc).__name__.lower():
+    timed_out = "timeout" in type(exc).__name__.lower() or "timed out" in detail.lower()
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError) or timed_out:
         detail = f"no answer within {timeout + request.server_seconds:g}s ({detail})"
     return ClusterApiError(request, status=None, message=detail, transient=is_transient(exc))
 
