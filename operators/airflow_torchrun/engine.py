@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from airflow_torchrun.backends.base import RelaunchKind
 from airflow_torchrun.compat import AirflowException
+from airflow_torchrun.errors import retry_transient
 from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
     from airflow_torchrun.backends.handles import GroupHandle
-    from airflow_torchrun.settings import WatchSettings
+    from airflow_torchrun.settings import RunSettings
     from airflow_torchrun.spec import GroupSpec
     from airflow_torchrun.wiring import GroupIdentity
 
@@ -74,7 +75,8 @@ class Launches:
                 f"({self.preemptions} relaunch(es), max_preemptions={max_preemptions}); failing this try"
             )
         self.preemptions += 1
-        return f"the group was disrupted ({relaunch.why}), preemption {self.preemptions} of {max_preemptions}", None
+        why = f"the group was disrupted ({relaunch.why})"
+        return f"{why}, preemption {self.preemptions} of max_preemptions={max_preemptions}", None
 
 
 @dataclass
@@ -83,7 +85,7 @@ class RunEngine:
 
     backend: Backend
     spec: GroupSpec
-    settings: WatchSettings
+    settings: RunSettings
     log: Any  # the operator's logger
     push: Callable[[str, Any], None]  # XCom push of this try
     identity: Callable[[int], GroupIdentity]  # relaunch number -> identity
@@ -110,7 +112,13 @@ class RunEngine:
     def launch(self, relaunch: int) -> GroupHandle:
         plan = self.backend.plan(self.spec, self.identity(relaunch), self.contract_env())
         # In deferrable mode this process exits while the group runs: the group must not follow it.
-        handle = self.backend.launch(plan, watch_caller=not self.settings.deferrable)
+        # A launch that failed left nothing behind, so a transient failure (API 5xx) is tried again.
+        handle = retry_transient(
+            lambda: self.backend.launch(plan, watch_caller=not self.settings.deferrable),
+            budget=self.settings.preflight_budget,
+            what=f"launching group {plan.group_id}",
+            log=self.log,
+        )
         self.handle = handle
         # Push now so that on error (or a dead worker) the group can still be found.
         self.push(XCOM_GROUP, handle.to_dict())

@@ -18,17 +18,17 @@ from airflow_torchrun.spec import GroupSpec, is_templated
 from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
 
 DEFAULT_DEFER_AFTER = 60.0
-DEFAULT_STORAGE_BUDGET = 120.0
-DEFAULT_TRACKING_BUDGET = 60.0
+DEFAULT_PREFLIGHT_BUDGET = 120.0
 
 
 @dataclass(frozen=True)
-class WatchSettings:
-    """How the operator and the trigger watch a group (both modes alike)."""
+class RunSettings:
+    """How a group is checked before launch and watched after (both modes alike)."""
 
     poll_interval: float = 0.1
     progress_timeout: float | None = None
     observe_error_budget: float = DEFAULT_ERROR_BUDGET
+    preflight_budget: float = DEFAULT_PREFLIGHT_BUDGET
     deferrable: bool = False
     defer_after: float = DEFAULT_DEFER_AFTER
     max_preemptions: int = 3
@@ -41,7 +41,6 @@ class CheckpointSettings:
     keep_last: int = 3
     aws_conn_id: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    storage_budget: float = DEFAULT_STORAGE_BUDGET
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,12 @@ def _number(problems: list[str], name: str, value: object, *, allow_none: bool =
     return float(value)  # type: ignore[arg-type]
 
 
-def watch_problems(w: WatchSettings) -> list[str]:
+def run_problems(w: RunSettings) -> list[str]:
     problems: list[str] = []
     _number(problems, "poll_interval", w.poll_interval)
     _number(problems, "progress_timeout", w.progress_timeout, allow_none=True)
     _number(problems, "observe_error_budget", w.observe_error_budget, zero=True)
+    _number(problems, "preflight_budget", w.preflight_budget, zero=True)
     _number(problems, "defer_after", w.defer_after, zero=True)
     m = w.max_preemptions
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
@@ -109,7 +109,7 @@ def validate_task(
     *,
     where: str,
     backend: str,
-    watch: WatchSettings,
+    run: RunSettings,
     checkpoint: CheckpointSettings | None = None,
     extra: list[str] | None = None,
 ) -> GroupSpec | None:
@@ -124,7 +124,7 @@ def validate_task(
         spec = make_spec()
     except InvalidSpecError as exc:
         problems += exc.problems
-    problems += watch_problems(watch)
+    problems += run_problems(run)
     if checkpoint is not None and not is_templated(backend):
         problems += checkpoint_problems(checkpoint, backend)
     if problems:

@@ -255,9 +255,11 @@ def watch_sync(
             step = watch.failed(exc, clock())
         else:
             step = watch.observed(nodes, mark, clock())
+        # First: after_look raises when the task was killed meanwhile, and what this look saw then
+        # (a deleted Job, stopped ranks) is the kill's doing, not worth a line of its own.
+        after_look()
         for note in step.notes:
             emit(note)
-        after_look()
         if step.verdict is not None:
             return step.verdict
         if until is not None and clock() >= until:

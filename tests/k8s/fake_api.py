@@ -53,6 +53,7 @@ class Call:
     path: str
     query: dict[str, str]
     body: Any = None
+    at: float = field(default_factory=time.time)  # when the request arrived
 
     @property
     def is_watch(self) -> bool:

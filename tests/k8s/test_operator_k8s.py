@@ -159,9 +159,9 @@ def test_missing_image_fails_without_retry(cluster: FakeKubeAPI, run_dag) -> Non
 
 def test_deferred_task_is_watched_by_the_trigger_through_the_async_hook(cluster: FakeKubeAPI, run_dag) -> None:
     with Autopilot(cluster, oom):
-        result = run_dag(TASK.replace("track=False,", "track=False,\n    deferrable=True,"))
+        result = run_dag(TASK.replace("track=False,", "track=False,\n    deferrable=True,\n    defer_after=0,"))
     assert result.task_states == {"train": "failed"}
-    assert "deferring; the triggerer watches it" in result.log
+    assert "deferring: the triggerer watches it" in result.log
     assert "OOMKilled" in result.log
     # The re-entry (a fresh backend) deleted the group after keeping the failed pod's log tail.
     assert "[node 1 rank 1] allocating activations" in result.log
@@ -259,7 +259,7 @@ def test_preempted_group_is_relaunched_within_the_same_try_and_resumes(
     cluster: FakeKubeAPI, run_dag, deferrable: bool
 ) -> None:
     with Autopilot(cluster, preempt_first_launch):
-        result = run_dag(task(retries=0, deferrable=deferrable))
+        result = run_dag(task(retries=0, deferrable=deferrable, defer_after=0))
     assert result.task_states == {"train": "success"}, result.log[-3000:]
     assert try_number(result) == 1  # no Airflow retry spent (and retries=0 could not have saved it)
     first, second = created_jobs(cluster)
@@ -281,7 +281,7 @@ def test_preempted_group_is_relaunched_within_the_same_try_and_resumes(
 @pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
 def test_preemptions_past_max_preemptions_fail_the_task(cluster: FakeKubeAPI, run_dag, deferrable: bool) -> None:
     with Autopilot(cluster, preempt):
-        result = run_dag(task(retries=0, max_preemptions=1, deferrable=deferrable))
+        result = run_dag(task(retries=0, max_preemptions=1, deferrable=deferrable, defer_after=0))
     assert result.task_states == {"train": "failed"}
     assert try_number(result) == 1
     jobs = created_jobs(cluster)

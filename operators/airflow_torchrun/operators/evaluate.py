@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     from airflow_torchrun.compat import Context
     from airflow_torchrun.watch import Verdict
 
-STORAGE_BUDGET = 120.0
-
 
 class EvaluateModelOperator(GroupOperator):
     """Evaluate a trained checkpoint with a torchrun script (1 node x 1 process by default).
@@ -76,7 +74,7 @@ class EvaluateModelOperator(GroupOperator):
         options = self.storage_options_resolved()
         store = CheckpointStore(self._checkpoint_root(), options)
         # Only a committed checkpoint is evaluated.
-        self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step), STORAGE_BUDGET)
+        self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step))
         metrics_uri = self._metrics_location(context)
         self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
         # Storage credentials by the same rule as training's: never in plain pod env.

@@ -19,9 +19,10 @@ from airflow_torchrun.compat import AirflowException, AirflowFailException, Airf
 from airflow_torchrun.errors import InvalidSpecError, TorchrunError, is_transient, retry_transient
 from airflow_torchrun.settings import (
     DEFAULT_DEFER_AFTER,
+    DEFAULT_PREFLIGHT_BUDGET,
     CheckpointSettings,
     KubernetesSettings,
-    WatchSettings,
+    RunSettings,
     validate_task,
 )
 from airflow_torchrun.spec import (
@@ -87,6 +88,7 @@ class GroupOperator(BaseOperator):
         poll_interval: float = 0.1,
         progress_timeout: float | None = None,
         observe_error_budget: float = DEFAULT_ERROR_BUDGET,
+        preflight_budget: float = DEFAULT_PREFLIGHT_BUDGET,
         deferrable: bool | None = None,
         defer_after: float | None = None,
         aws_conn_id: str | None = None,
@@ -117,6 +119,7 @@ class GroupOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.progress_timeout = progress_timeout
         self.observe_error_budget = observe_error_budget
+        self.preflight_budget = preflight_budget
         if defer_after is None:
             defer_after = conf.getfloat("torchrun", "defer_after", fallback=DEFAULT_DEFER_AFTER)
         self.defer_after = defer_after
@@ -156,11 +159,12 @@ class GroupOperator(BaseOperator):
         dag_id = self.dag_id if self.has_dag() else "<no dag>"
         return f"task {dag_id}.{self.task_id}"
 
-    def watch_settings(self) -> WatchSettings:
-        return WatchSettings(
+    def run_settings(self) -> RunSettings:
+        return RunSettings(
             poll_interval=self.poll_interval,
             progress_timeout=self.progress_timeout,
             observe_error_budget=self.observe_error_budget,
+            preflight_budget=self.preflight_budget,
             deferrable=self.deferrable,
             defer_after=self.defer_after,
             max_preemptions=self.max_preemptions,
@@ -172,7 +176,7 @@ class GroupOperator(BaseOperator):
             lambda: self._make_spec(allow_templates=allow_templates),
             where=self._where,
             backend=self.backend,
-            watch=self.watch_settings(),
+            run=self.run_settings(),
             checkpoint=self.checkpoint_settings(),
         )
 
@@ -271,21 +275,24 @@ class GroupOperator(BaseOperator):
             )
         return storage_env(public)
 
-    def preflight(self, what: str, call: Callable[[], T], budget: float) -> T:
-        """One pre-launch call under the error policy: transient trouble is retried within ``budget``
-        seconds, then fails the try retryably; a permanent error fails the task without retry."""
+    def preflight(self, what: str, call: Callable[[], T]) -> T:
+        """One call to storage or tracking under the error policy: transient trouble is retried within
+        ``preflight_budget`` seconds, then fails the try retryably; a permanent error fails the task
+        without retry."""
+        budget = float(self.preflight_budget)
         try:
             return retry_transient(call, budget=budget, what=f"{self._where}: {what}", log=self.log)
-        except TorchrunError as exc:
-            if is_transient(exc):
-                raise AirflowException(
-                    f"{self._where}: {what} failed for {budget:g}s: {exc}. Nothing was launched; a retry may succeed"
-                ) from exc
-            raise AirflowFailException(f"{self._where}: {exc}\n(A retry cannot fix this; not retrying.)") from exc
         except Exception as exc:
-            if is_transient(exc):
-                raise AirflowException(f"{self._where}: {what} failed for {budget:g}s: {exc}") from exc
+            if is_transient(exc) or isinstance(exc, TorchrunError):
+                raise self._under_policy(exc, f"{what} failed for {budget:g}s") from exc
             raise
+
+    def _under_policy(self, exc: Exception, what: str = "") -> Exception:
+        """The Airflow exception for an error of ours: retryable when transient, else final."""
+        head = f"{self._where}: {what + ': ' if what else ''}{exc}"
+        if is_transient(exc):
+            return AirflowException(f"{head}. A retry may succeed")
+        return AirflowFailException(f"{head}\n(A retry cannot fix this; not retrying.)")
 
     # -- running ------------------------------------------------------------------------------
     def _identity(self, context: Context) -> Callable[[int], GroupIdentity]:
@@ -326,7 +333,7 @@ class GroupOperator(BaseOperator):
         engine = RunEngine(
             backend=backend,
             spec=spec,
-            settings=self.watch_settings(),
+            settings=self.run_settings(),
             log=self.log,
             push=lambda key, value: ti.xcom_push(key=key, value=value),
             identity=self._identity(context),
@@ -346,10 +353,13 @@ class GroupOperator(BaseOperator):
         backend = self._make_backend()
         # Before anything starts: storage, tracking and the resume point are checked here.
         engine = self._new_engine(context, spec, backend, first_env=self.contract_env(context))
-        handle, launches = engine.start()
-        engine.deadline = self._deadline(context, handle.launched_at)
-        defer = (lambda h, n: self._defer(context, engine, h, n)) if self.deferrable else None
-        handle, verdict = engine.drive(handle, launches, defer=defer)
+        try:
+            handle, launches = engine.start()
+            engine.deadline = self._deadline(context, handle.launched_at)
+            defer = (lambda h, n: self._defer(context, engine, h, n)) if self.deferrable else None
+            handle, verdict = engine.drive(handle, launches, defer=defer)
+        except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
+            raise self._under_policy(exc) from exc
         return self._end(context, engine, handle, verdict)
 
     def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
@@ -367,12 +377,15 @@ class GroupOperator(BaseOperator):
         engine.handle = handle
         engine.deadline = self._deadline(context, handle.launched_at)
         launches = Launches.from_dict(context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_LAUNCHES))
-        handle, verdict = engine.drive(
-            handle,
-            launches,
-            verdict=group_event.verdict(),
-            defer=lambda h, n: self._defer(context, engine, h, n),
-        )
+        try:
+            handle, verdict = engine.drive(
+                handle,
+                launches,
+                verdict=group_event.verdict(),
+                defer=lambda h, n: self._defer(context, engine, h, n),
+            )
+        except TorchrunError as exc:
+            raise self._under_policy(exc) from exc
         return self._end(context, engine, handle, verdict)
 
     def _defer(self, context: Context, engine: RunEngine, handle: GroupHandle, launches: Launches) -> NoReturn:

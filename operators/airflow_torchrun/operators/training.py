@@ -53,6 +53,10 @@ class DistributedTrainingOperator(GroupOperator):
     :param progress_timeout: Seconds without progress (no rank's log grew, no progress record)
         after which a running group is called hung, torn down, and the try fails retryably.
         ``None`` (default): no limit. Enforced in sync and deferrable mode alike.
+    :param preflight_budget: Seconds that the calls to storage and tracking around the group (the
+        checks before launch, creating the MLflow run, finding the final checkpoint) ride out
+        transient trouble (endpoint down, timeouts, 5xx) before the try fails retryably; a
+        permanent error (bad credentials, a missing bucket) fails at once, without retry. Default 120.
     :param observe_error_budget: Seconds that looks at the group may fail in a row (a Kubernetes
         API answering 5xx or timing out, a status file read at the wrong moment) before the task
         gives up on the group; a healthy group is never torn down for less. A permanent error
@@ -191,14 +195,10 @@ class DistributedTrainingOperator(GroupOperator):
                 uri,
             )
         self.checkpoint_uri = uri
-        settings = self.checkpoint_settings()
         options = self.storage_options_resolved()
         store = CheckpointStore(uri, options)
-        budget = settings.storage_budget
-        self.preflight("checking checkpoint storage", lambda: store.check_access(write=True), budget)
-        ref = self.preflight(
-            "finding the checkpoint to resume from", lambda: resolve_resume(uri, self.resume, options), budget
-        )
+        self.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
+        ref = self.preflight("finding the checkpoint to resume from", lambda: resolve_resume(uri, self.resume, options))
         if ref is None:
             self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
         else:
@@ -219,15 +219,13 @@ class DistributedTrainingOperator(GroupOperator):
         return env
 
     def _tracking_env(self, context: Context) -> dict[str, str]:
-        from airflow_torchrun.settings import DEFAULT_TRACKING_BUDGET
         from airflow_torchrun.tracking import check_tracking_uri, ensure_run, rank_env, resolve_tracking_uri, run_url
 
         ti = context["ti"]
         tracking_uri = resolve_tracking_uri(self.mlflow_tracking_uri)
-        budget = DEFAULT_TRACKING_BUDGET
-        self.preflight("reaching the MLflow tracking server", lambda: check_tracking_uri(tracking_uri), budget)
+        self.preflight("reaching the MLflow tracking server", lambda: check_tracking_uri(tracking_uri))
         run_id = self.preflight(
-            "creating the MLflow run", lambda: ensure_run(context, self.mlflow_experiment, tracking_uri), budget
+            "creating the MLflow run", lambda: ensure_run(context, self.mlflow_experiment, tracking_uri)
         )
         self._mlflow_run_id = run_id
         ti.xcom_push(key=XCOM_MLFLOW_RUN_ID, value=run_id)
@@ -247,7 +245,12 @@ class DistributedTrainingOperator(GroupOperator):
             run_id = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID)
         if run_id:
             self._mlflow_run_id = run_id
-            finish_run(run_id, succeeded=verdict.outcome.ok, tracking_uri=self.mlflow_tracking_uri)
+            finish_run(
+                run_id,
+                succeeded=verdict.outcome.ok,
+                tracking_uri=self.mlflow_tracking_uri,
+                try_number=context["ti"].try_number,
+            )
 
     def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, Any]:
         """The group's summary (XCom ``return_value``)."""
@@ -258,7 +261,7 @@ class DistributedTrainingOperator(GroupOperator):
         if self.checkpoint_uri is None:  # re-entry after deferral: a new process, same default
             self.checkpoint_uri = self.default_checkpoint_uri(context)
         store = CheckpointStore(self.checkpoint_uri, self.storage_options_resolved())
-        ref = self.preflight("reading the final checkpoint", store.latest, self.checkpoint_settings().storage_budget)
+        ref = self.preflight("reading the final checkpoint", store.latest)
         if ref is not None:
             self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
         assert self._engine is not None  # finish runs only after the engine did
