@@ -105,6 +105,22 @@ class DagResult:
         group_dir = Path(handle.get("group_dir", "/nonexistent"))
         return "\n".join(p.read_text() for p in sorted(group_dir.glob("node-*/node.log")))
 
+    def try_number(self, task_id: str) -> int:
+        """The try the task instance ended on."""
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+        from sqlalchemy import select
+
+        with create_session() as session:
+            ti = session.scalars(
+                select(TaskInstance).where(
+                    TaskInstance.dag_id == self.dag_id,
+                    TaskInstance.run_id == self.run_id,
+                    TaskInstance.task_id == task_id,
+                )
+            ).one()
+            return int(ti.try_number)
+
     def xcom(self, task_id: str, key: str = "return_value") -> Any:
         from airflow.models.xcom import XComModel
         from airflow.utils.session import create_session

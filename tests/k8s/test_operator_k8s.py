@@ -232,19 +232,7 @@ def wait_for_call(fake: FakeKubeAPI, match: Callable[[Call], bool], *, after: in
 
 
 def try_number(result: DagResult, task_id: str = "train") -> int:
-    from airflow.models.taskinstance import TaskInstance
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        ti = session.scalars(
-            select(TaskInstance).where(
-                TaskInstance.dag_id == result.dag_id,
-                TaskInstance.run_id == result.run_id,
-                TaskInstance.task_id == task_id,
-            )
-        ).one()
-        return int(ti.try_number)
+    return result.try_number(task_id)
 
 
 def foreground_deletes(fake: FakeKubeAPI, job: str) -> list[int]:

@@ -238,7 +238,7 @@ class DistributedTrainingOperator(GroupOperator):
     # -- the end ------------------------------------------------------------------------------
     def on_group_end(self, context: Context, verdict: Verdict) -> None:
         """Close the MLflow run: best effort, a tracking outage never fails a finished group."""
-        from airflow_torchrun.tracking import finish_run
+        from airflow_torchrun.tracking import DEFAULT_FINISH_BUDGET, finish_run
 
         run_id = self._mlflow_run_id
         if run_id is None and self.track:  # re-entry after deferral: a new process
@@ -250,6 +250,7 @@ class DistributedTrainingOperator(GroupOperator):
                 succeeded=verdict.outcome.ok,
                 tracking_uri=self.mlflow_tracking_uri,
                 try_number=context["ti"].try_number,
+                budget=min(DEFAULT_FINISH_BUDGET, float(self.preflight_budget)),
             )
 
     def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Storage and tracking trouble around a real local group, through ``dag.test()``.
+
+What must hold: an S3 endpoint that is down before launch is waited for within
+``preflight_budget`` (then the try fails *retryably*, with nothing launched); a tracking server
+that is down when training ends never fails the finished task. Real parts: moto's S3 server
+stopped and restarted on its port, a real ``mlflow server`` process stopped mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import s3_fixtures
+from tests.conftest import group_processes
+from tests.test_tracking_faults import MlflowServer
+
+pytestmark = pytest.mark.slow
+restartable_s3 = s3_fixtures.restartable_s3
+
+
+def _connection(monkeypatch: pytest.MonkeyPatch, s3: s3_fixtures.RestartableS3) -> None:
+    conn = {
+        "conn_type": "aws",
+        "login": s3_fixtures.ACCESS_KEY,
+        "password": s3_fixtures.SECRET_KEY,
+        "extra": {"endpoint_url": s3.s3.endpoint, "region_name": s3_fixtures.REGION},
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_FLAKY_S3", json.dumps(conn))
+
+
+def _task(tiny_script: Path, bucket: str, **extra: object) -> str:
+    args = "".join(f" {k}={v!r}," for k, v in extra.items())
+    return f"""
+        DistributedTrainingOperator(
+            task_id="train", script={str(tiny_script)!r}, num_nodes=2, track=False, aws_conn_id="flaky_s3",
+            checkpoint_uri="s3://{bucket}/ckpt",{args}
+        )
+        """
+
+
+def test_a_storage_outage_before_launch_is_waited_for(run_dag, tiny_script, restartable_s3, monkeypatch):
+    bucket = restartable_s3.s3.make_bucket()
+    _connection(monkeypatch, restartable_s3)
+    restartable_s3.stop()
+    restartable_s3.start_after(12.0)
+    result = run_dag(_task(tiny_script, bucket, preflight_budget=60, retries=0))
+    assert result.state == "success", result.log[-4000:]
+    assert result.try_number("train") == 1
+    assert "checking checkpoint storage failed (transient" in result.log
+
+
+def test_a_storage_outage_past_the_budget_fails_retryably_and_launches_nothing(
+    run_dag, tiny_script, restartable_s3, monkeypatch
+):
+    bucket = restartable_s3.s3.make_bucket()
+    _connection(monkeypatch, restartable_s3)
+    restartable_s3.stop()
+    result = run_dag(
+        _task(tiny_script, bucket, preflight_budget=2, retries=1, retry_delay=0),
+        imports="from datetime import timedelta",
+    )
+    assert result.state == "failed"
+    # Retryable: Airflow tried again (a permanent error would have stopped at try 1).
+    assert result.try_number("train") == 2, result.log[-3000:]
+    assert "A retry may succeed" in result.log
+    assert result.xcom("train", key="group") is None, "nothing may be launched against a store that is down"
+
+
+def test_a_missing_bucket_fails_at_once_without_retry(run_dag, tiny_script, restartable_s3, monkeypatch):
+    _connection(monkeypatch, restartable_s3)
+    started = time.monotonic()
+    result = run_dag(_task(tiny_script, "no-such-bucket-here", preflight_budget=60, retries=1, retry_delay=0))
+    assert result.state == "failed"
+    assert result.try_number("train") == 1
+    assert "does not exist" in result.log and "A retry cannot fix this" in result.log
+    assert time.monotonic() - started < 50, "a permanent error must not wait out the budget"
+
+
+def test_tracking_down_when_training_ends_does_not_fail_the_task(run_dag, tiny_script, tmp_path, caplog):
+    server = MlflowServer(tmp_path / "mlflow")
+    server.root.mkdir()
+    server.start()
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    since = time.time() - 1
+
+    def stop_once_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
+                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
+                    server.stop()
+                    return
+            time.sleep(0.1)
+
+    stopper = threading.Thread(target=stop_once_training, daemon=True)
+    stopper.start()
+    try:
+        result = run_dag(
+            f"""
+            DistributedTrainingOperator(
+                task_id="train", script={str(tiny_script)!r}, num_nodes=2, retries=0, preflight_budget=3,
+                mlflow_tracking_uri={server.uri!r}, env={{"STEPS": "60", "STEP_SECONDS": "0.1"}},
+            )
+            """
+        )
+    finally:
+        stopper.join(5)
+        server.stop()
+    assert result.state == "success", result.log[-4000:]
+    xcom = result.xcom("train")
+    assert xcom["mlflow_run_id"] and xcom["node_exit_codes"] == [0, 0]
+    said = result.log + caplog.text  # the tracking module logs through its own logger
+    assert f"MLflow run {xcom['mlflow_run_id']} could not be marked FINISHED" in said
+    assert group_processes(xcom["group_id"]) == []
