@@ -120,16 +120,23 @@ def test_bad_storage_fails_before_any_rank_starts(
         json.dumps({"conn_type": "aws", "login": login, "password": s3_fixtures.SECRET_KEY, "extra": extra}),
     )
     ctx = moto_s3.enforce_auth() if conn == "wrong-secret" else contextlib.nullcontext()
+    # An unreachable endpoint is transient: waited for within preflight_budget, then retryable.
+    retries = 0 if conn == "unreachable" else 3
     with ctx:
         result = run_dag(
             f"""
-            DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, retries=3,
+            DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2,
+                                        retries={retries}, preflight_budget=2,
                                         checkpoint_uri={checkpoint_uri.format(bucket=bucket)!r},
                                         aws_conn_id="bad_s3")
             """
         )
     assert result.state == "failed"
     assert expected in result.log
+    if conn == "unreachable":
+        assert "A retry may succeed" in result.log
+    else:  # permanent: Airflow's 3 retries are not spent on it
+        assert result.try_number("train") == 1 and "A retry cannot fix this" in result.log
     assert result.xcom("train", key="group") is None, "a group was launched"
     assert "Launched group" not in result.log
 
