@@ -212,3 +212,15 @@ def test_a_stopped_rank_is_caught_by_progress_timeout_and_nothing_is_left(run_da
     assert group_processes(group_id) == [], "a stopped rank must be killed, not left behind"
     # Detected in seconds, not after torchrun's 30-minute collective timeout.
     assert time.monotonic() - started < 120
+
+
+def test_a_deferrable_group_of_seconds_never_defers(run_dag, tiny_script):
+    # Default defer_after (60 s): the worker watches it to the end, no trigger, no race to lose.
+    result = run_dag(
+        f"""
+        DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, deferrable=True)
+        """
+    )
+    assert result.state == "success", result.log[-3000:]
+    assert "deferring" not in result.log and "trigger reported" not in result.log
+    assert result.xcom("train")["node_exit_codes"] == [0, 0]

@@ -20,9 +20,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from airflow_torchrun.errors import TorchrunError
+
+if TYPE_CHECKING:
+    from airflow_torchrun.compat import Context
+    from airflow_torchrun.operators.group import GroupOperator
 
 DEFAULT_RUN_ID = "manual__render"
 
@@ -74,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> Any:
+def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> GroupOperator:
     if not dag_file.is_file():
         raise CliError(f"--dag-file {dag_file} does not exist")
     from airflow.dag_processing.dagbag import DagBag
@@ -96,10 +100,13 @@ def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> Any:
     if not dag.has_task(task_id):
         raise CliError(f"DAG {dag.dag_id} has no task {task_id!r}; its tasks: {', '.join(sorted(dag.task_ids))}")
     task = dag.get_task(task_id)
-    if not callable(getattr(task, "contract_env", None)) or not (
-        callable(getattr(task, "group_spec", None)) or callable(getattr(task, "_spec", None))
-    ):
-        raise CliError(f"task {dag.dag_id}.{task_id} is a {type(task).__name__}, not a DistributedTrainingOperator")
+    from airflow_torchrun.operators.group import GroupOperator
+
+    if not isinstance(task, GroupOperator):
+        raise CliError(
+            f"task {dag.dag_id}.{task_id} is a {type(task).__name__}, not an operator that runs a torchrun group "
+            "(DistributedTrainingOperator, EvaluateModelOperator)"
+        )
     return task
 
 
@@ -131,7 +138,7 @@ def render_task(args: argparse.Namespace) -> str:
     from airflow_torchrun.wiring import GroupIdentity
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
-    context = _context(task, args)
+    context = cast("Context", _context(task, args))
     try:
         task.render_template_fields(context)
     except Exception as exc:
@@ -139,29 +146,20 @@ def render_task(args: argparse.Namespace) -> str:
             f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "
             "run_id, ds, ts, logical_date, params, try_number and map_index to templates"
         ) from exc
-    spec = task.group_spec() if callable(getattr(task, "group_spec", None)) else task._spec()
+    spec = task.group_spec()
     if spec.backend != "kubernetes":
         raise CliError(
             f"task {task.dag_id}.{task.task_id} uses backend={spec.backend!r}; render prints the objects of "
             "backend='kubernetes' tasks only"
         )
     # The operator's own variables (checkpoint, resume point, MLflow run) are resolved at launch,
-    # with I/O a dry run must not do; an operator may offer a side-effect-free preview of them.
-    preview = getattr(task, "contract_env_preview", None)
-    note = ""
-    if callable(preview):
-        try:
-            extra_env = dict(preview(context))
-        except Exception as exc:
-            raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
-    else:
-        extra_env = {}
-        note = (
-            "# Not shown: the variables the operator resolves at launch (TRAIN_CHECKPOINT_URI, "
-            "TRAIN_RESUME_FROM, MLflow, shard manifest).\n"
-        )
+    # with I/O a dry run must not do: the operator previews them without it.
+    try:
+        extra_env = dict(task.contract_env_preview(context))
+    except Exception as exc:
+        raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
-    backend = KubernetesBackend(namespace=args.namespace or getattr(task, "namespace", None), runtimes=catalog)
+    backend = KubernetesBackend(namespace=args.namespace or task.namespace, runtimes=catalog)
     identity = GroupIdentity(
         dag_id=task.dag_id,
         task_id=task.task_id,
@@ -174,7 +172,6 @@ def render_task(args: argparse.Namespace) -> str:
         f"# airflow-torchrun render: {task.dag_id}.{task.task_id}, run {args.run_id}, try {args.try_number}, "
         f"namespace {rendered.namespace}\n"
         "# At launch the Service also gets an ownerReference to the Job (it needs the Job's uid).\n"
-        f"{note}"
     )
     return header + to_yaml(rendered.objects)
 
