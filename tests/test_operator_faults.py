@@ -118,3 +118,28 @@ def test_tracking_down_when_training_ends_does_not_fail_the_task(run_dag, tiny_s
     said = result.log + caplog.text  # the tracking module logs through its own logger
     assert f"MLflow run {xcom['mlflow_run_id']} could not be marked FINISHED" in said
     assert group_processes(xcom["group_id"]) == []
+
+
+def test_a_storage_outage_while_training_is_ridden_out_at_the_end(run_dag, tiny_script, restartable_s3, monkeypatch):
+    bucket = restartable_s3.s3.make_bucket()
+    _connection(monkeypatch, restartable_s3)
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    since = time.time() - 1
+
+    def stop_once_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
+                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
+                    restartable_s3.stop()  # down while the ranks train and when the group ends
+                    restartable_s3.start_after(30.0)
+                    return
+            time.sleep(0.1)
+
+    stopper = threading.Thread(target=stop_once_training, daemon=True)
+    stopper.start()
+    result = run_dag(_task(tiny_script, bucket, preflight_budget=60, retries=0, env={"STEPS": "20"}))
+    stopper.join(5)
+    assert result.state == "success", result.log[-4000:]
+    assert "reading the final checkpoint failed (transient" in result.log
+    assert result.xcom("train")["final_checkpoint"] is None  # the tiny script saves none
