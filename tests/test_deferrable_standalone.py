@@ -20,7 +20,6 @@ Slow (the services need about half a minute to come up on two cores): ``-m slow`
 
 from __future__ import annotations
 
-import inspect
 import textwrap
 import time
 import uuid
@@ -90,16 +89,8 @@ DAG_FILE = textwrap.dedent(
 )
 
 
-def _operator_is_deferrable() -> bool:
-    from airflow_torchrun.operators.training import DistributedTrainingOperator
-
-    return "deferrable" in inspect.signature(DistributedTrainingOperator.__init__).parameters
-
-
 @pytest.fixture(scope="module")
 def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
-    if not _operator_is_deferrable():
-        pytest.skip("DistributedTrainingOperator has no deferrable argument yet")
     root = tmp_path_factory.mktemp("standalone")
     dags, work_dir = root / "dags", root / "work"
     for d in (dags, work_dir):

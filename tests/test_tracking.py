@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from airflow_torchrun import tracking
 from airflow_torchrun.tracking import (
     STATE_KEY,
     TAG_TRY_NUMBER,
@@ -254,3 +255,14 @@ def test_a_retried_airflow_task_keeps_its_run(run_dag: Any, tracking_uri: str) -
     runs = client.search_runs([client.get_experiment_by_name(result.dag_id).experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]
     assert runs[0].data.tags[TAG_TRY_NUMBER] == "2"
+
+
+def test_a_client_leaves_the_process_environment_as_it_was(tmp_path, monkeypatch):
+    # dag.test() runs every task in one process: one task's tracking URI must not become the next one's.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'one.db'}"
+    tracking.client(uri)
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mine.db'}")
+    tracking.client(uri)
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'mine.db'}"

@@ -177,8 +177,17 @@ def client(tracking_uri: str | None = None) -> MlflowClient:
     check_tracking_uri(uri)
     # The SQL registry resolves ``models:/<id>`` sources through MLflow's *global* tracking URI
     # (MLflow 3), which otherwise defaults to ./mlflow.db of whatever the working directory is.
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    # MLflow also exports it as $MLFLOW_TRACKING_URI "for subprocesses": the next task run in this
+    # process (dag.test() runs every task in one) would then resolve this URI instead of its own.
+    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+    finally:
+        if exported is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = exported
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
