@@ -78,5 +78,6 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "triggers": [{"integration-name": "torchrun", "python-modules": ["airflow_torchrun.triggers"]}],
         "extra-links": ["airflow_torchrun.links.MlflowRunLink"],
+        "task-decorators": [{"name": "torchrun", "class-name": "airflow_torchrun.decorators.torchrun_task"}],
         "config": {"torchrun": {"description": "Defaults for airflow-torchrun.", "options": CONFIG_OPTIONS}},
     }
