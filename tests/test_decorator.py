@@ -127,6 +127,31 @@ def test_killed_rank_resumes_and_ends_bit_identical(run_dag):
 
 
 @pytest.mark.slow
+def test_deferred_the_function_initialises_its_own_group_and_the_result_comes_back(run_dag):
+    result = run_dag(
+        """
+        @task.torchrun(nproc_per_node=2, track=False, process_group_backend=None, deferrable=True, defer_after=0)
+        def own_group(run_id, scale):
+            import torch
+            import torch.distributed as dist
+
+            assert not dist.is_initialized()  # process_group_backend=None: left to the function
+            dist.init_process_group("gloo")
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t)
+            return {"sum": t.item() * scale, "run_id": run_id}
+
+        own_group(scale=2)
+        """,
+        imports="from airflow.sdk import task",
+    )
+    assert result.state == "success", result.log[-4000:]
+    assert "deferring: the triggerer watches it" in result.log
+    assert result.xcom("own_group") == {"sum": 6.0, "run_id": result.run_id}
+    assert result.xcom("own_group", key="training_summary")["world_size"] == 2
+
+
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_with_the_functions_traceback(run_dag):
     result = run_dag(FAILING, imports="from airflow.sdk import task")
     assert result.state == "failed"
@@ -316,6 +341,24 @@ def test_the_preview_ships_source_and_arguments_with_lines_of_the_dag_file(tmp_p
     assert lines[call["first_line"] - 1].strip() == "def train(lr, *, epochs=2, run_id=None):"
     assert call["result_uri"] == "s3://ckpt/x/results/train-try2.json"
     assert env["TRAIN_CHECKPOINT_URI"] == "s3://ckpt/x"
+
+
+def test_positional_and_variadic_arguments_reach_the_function_as_called(tmp_path):
+    from airflow_torchrun.worker.function import FunctionCall, load_function
+
+    dag = _dag(
+        """
+        @task.torchrun(track=False)
+        def train(first, /, second, *rest, scale=1, **extra):
+            return [first, second, list(rest), scale, extra]
+        train(1, 2, 3, 4, scale=5, note="n")
+        """,
+        tmp_path,
+    )
+    env = dag.get_task("train").contract_env_preview({"run_id": "r", "try_number": 1})
+    call = FunctionCall.from_env(env)
+    assert (call.args, call.kwargs) == ([1, 2, 3, 4], {"scale": 5, "note": "n"})
+    assert load_function(call)(*call.args, **call.kwargs) == [1, 2, [3, 4], 5, {"note": "n"}]
 
 
 # -- the worker module ---------------------------------------------------------------------------

@@ -236,7 +236,6 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
         if getattr(python_callable, "__name__", "") == "<lambda>":  # before Airflow trips over its task_id
             raise InvalidSpecError(ship_function(python_callable)[1], "@task.torchrun")
         self.process_group_backend = process_group_backend
-        self._shipped: ShippedFunction | None = None
         super().__init__(python_callable=python_callable, command=_entry_command(kwargs.get("backend")), **kwargs)
 
     # -- checks -------------------------------------------------------------------------------
@@ -257,7 +256,6 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
 
     def _function_problems(self, *, allow_templates: bool) -> list[str]:
         shipped, problems = ship_function(self.python_callable)
-        self._shipped = shipped
         for name, value in self._bound_arguments().items():
             problems += json_problems(value, f"argument {name}", allow_templates=allow_templates)
         if isinstance(self.env, Mapping):
@@ -288,18 +286,15 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
 
     def _call(self, shipped: ShippedFunction, arguments: Mapping[str, Any], result_uri: str | None) -> FunctionCall:
         signature = inspect.signature(self.python_callable)
-        args: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        for name, value in arguments.items():
-            kind = signature.parameters[name].kind if name in signature.parameters else None
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                args += list(value)
-            elif kind is inspect.Parameter.POSITIONAL_ONLY:
-                args.append(value)
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                kwargs.update(value)
-            else:
-                kwargs[name] = value
+        ordered = {name: arguments[name] for name in signature.parameters if name in arguments}
+        bound = inspect.BoundArguments(signature, ordered)  # type: ignore[arg-type]
+        args, kwargs = list(bound.args), dict(bound.kwargs)
+        params = list(signature.parameters.values())
+        if not any(p.kind is inspect.Parameter.VAR_POSITIONAL and ordered.get(p.name) for p in params):
+            # By name where the signature allows it: readable in the rendered pod spec and the logs.
+            by_name = [p.name for p in params[: len(args)] if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+            args = args[: len(args) - len(by_name)]
+            kwargs = {**{name: ordered[name] for name in by_name}, **kwargs}
         return FunctionCall(
             name=shipped.name,
             source=shipped.source,
