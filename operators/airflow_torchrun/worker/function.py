@@ -32,7 +32,6 @@ import builtins
 import contextlib
 import json
 import linecache
-import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -46,8 +45,6 @@ FUNCTION_ENTRY = "airflow_torchrun.worker.function"
 # 131072 bytes), in the Airflow worker and in every pod alike; this leaves room for the name.
 ENV_VALUE_LIMIT = 128 * 1024 - 1024
 AUTO = "auto"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -166,7 +163,11 @@ def _process_group(backend: str | None) -> Iterator[None]:
                 f"function asks for {asked!r}. Pass process_group_backend={asked!r} to @task.torchrun (or "
                 "process_group_backend=None to initialise the group in the function yourself)"
             )
-        log.info("init_process_group(%r): the group @task.torchrun initialised (%s) is used", asked, ours)
+        # In the rank's log: the function's own arguments (timeout, device_id...) are not applied.
+        print(
+            f"@task.torchrun: init_process_group({asked!r}) uses the group already initialised ({ours})",
+            file=sys.stderr,
+        )
 
     patched = [(dist, "init_process_group"), (c10d, "init_process_group")]
     saved = [getattr(m, n) for m, n in patched]
@@ -227,20 +228,12 @@ def run(call: FunctionCall) -> Any:
 
 
 def main() -> None:
-    from airflow_torchrun.worker.launch import _record
+    from airflow_torchrun.worker.launch import recorded
 
-    where = __file__
-    try:
+    with recorded(__file__):
         call = FunctionCall.from_env(os.environ)
-        where = call.filename
+    with recorded(call.filename):  # the traceback from the function's frame down
         run(call)
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            _record(exc, where)
-        raise
-    except BaseException as exc:
-        _record(exc, where)
-        raise
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ traceback even when the script does not use ``@record``. A non-zero ``sys.exit``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 
 def _user_traceback(exc: BaseException, script: str) -> str:
@@ -50,14 +52,12 @@ def _record(exc: BaseException, script: str) -> None:
         pass
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m airflow_torchrun.worker.launch SCRIPT [ARGS...]")
-    script = os.path.abspath(sys.argv[1])
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(script))
+@contextlib.contextmanager
+def recorded(script: str) -> Iterator[None]:
+    """Record what escapes the block (a non-zero ``sys.exit`` too) in torchrun's error file, with
+    the traceback from ``script``'s frames down, and let it go on."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        yield
     except SystemExit as exc:
         if exc.code not in (0, None):
             _record(exc, script)
@@ -65,6 +65,16 @@ def main() -> None:
     except BaseException as exc:
         _record(exc, script)
         raise
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m airflow_torchrun.worker.launch SCRIPT [ARGS...]")
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(script))
+    with recorded(script):
+        runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":
