@@ -387,7 +387,7 @@ def test_a_return_value_that_is_not_json_says_what_to_return():
         result_json("train", {"loss": Tensor()})
 
 
-def test_importing_the_decorator_stays_cheap():
+def test_importing_the_decorator_and_the_worker_module_stays_cheap():
     code = (
         "import sys\n"
         "from airflow.sdk import task\n"
@@ -400,3 +400,8 @@ def test_importing_the_decorator_stays_cheap():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+    # What every rank imports first: no Airflow, and torch only once the function is called.
+    code = "import sys, airflow_torchrun.worker.function\nprint(sorted({'airflow', 'torch'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
