@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,25 @@ from tests.test_tracking_faults import MlflowServer
 
 pytestmark = pytest.mark.slow
 restartable_s3 = s3_fixtures.restartable_s3
+
+
+def once_training(action: Callable[[], None]) -> threading.Thread:
+    """Run ``action`` from a thread once a group launched from now on has its rank 0 training."""
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    since = time.time() - 1
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
+                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
+                    action()
+                    return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def _connection(monkeypatch: pytest.MonkeyPatch, s3: s3_fixtures.RestartableS3) -> None:
@@ -86,20 +106,7 @@ def test_tracking_down_when_training_ends_does_not_fail_the_task(run_dag, tiny_s
     server = MlflowServer(tmp_path / "mlflow")
     server.root.mkdir()
     server.start()
-    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
-    since = time.time() - 1
-
-    def stop_once_training() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
-                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
-                    server.stop()
-                    return
-            time.sleep(0.1)
-
-    stopper = threading.Thread(target=stop_once_training, daemon=True)
-    stopper.start()
+    stopper = once_training(server.stop)
     try:
         result = run_dag(
             f"""
@@ -123,21 +130,12 @@ def test_tracking_down_when_training_ends_does_not_fail_the_task(run_dag, tiny_s
 def test_a_storage_outage_while_training_is_ridden_out_at_the_end(run_dag, tiny_script, restartable_s3, monkeypatch):
     bucket = restartable_s3.s3.make_bucket()
     _connection(monkeypatch, restartable_s3)
-    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
-    since = time.time() - 1
 
-    def stop_once_training() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
-                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
-                    restartable_s3.stop()  # down while the ranks train and when the group ends
-                    restartable_s3.start_after(30.0)
-                    return
-            time.sleep(0.1)
+    def outage() -> None:  # down while the ranks train and when the group ends
+        restartable_s3.stop()
+        restartable_s3.start_after(30.0)
 
-    stopper = threading.Thread(target=stop_once_training, daemon=True)
-    stopper.start()
+    stopper = once_training(outage)
     result = run_dag(_task(tiny_script, bucket, preflight_budget=60, retries=0, env={"STEPS": "20"}))
     stopper.join(5)
     assert result.state == "success", result.log[-4000:]

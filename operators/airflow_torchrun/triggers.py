@@ -29,7 +29,6 @@ from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Outcome, Verdict, Watch
 
 # The event's status is the watch's outcome.
 GroupEventStatus = Outcome
-HEARTBEAT_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,6 @@ class GroupWatch:
             progress_timeout=self.progress_timeout,
             deadline=self.deadline,
             error_budget=self.error_budget,
-            heartbeat=HEARTBEAT_SECONDS,
         )
 
 
