@@ -207,16 +207,26 @@ def test_resolve_resume(root: Root) -> None:
     assert resolve_resume(root.uri, "auto", root.options) == latest
     assert resolve_resume(root.uri, "never", root.options) is None
 
-    # Warm start from another run: a committed step directory, or another root's latest.
+    # Warm start from another run: a committed step directory, or another root's latest; outside
+    # the task's own checkpoint_uri only with allow_outside (the operator's resume_from_outside).
     other = root.uri + "-other"
     fresh = root.uri + "-fresh"
-    assert resolve_resume(fresh, store.step_uri(10), root.options) == CheckpointRef(store.step_uri(10), 10)
-    assert resolve_resume(fresh, store.step_uri(10) + "/", root.options) == CheckpointRef(store.step_uri(10), 10)
-    assert resolve_resume(other, root.uri, root.options) == latest
+    with pytest.raises(StorageError, match="outside this task's checkpoint_uri") as refused:
+        resolve_resume(fresh, store.step_uri(10), root.options)
+    assert refused.value.transient is False
+    with pytest.raises(StorageError, match="resume_from_outside=True"):
+        resolve_resume(other, root.uri, root.options)
+    assert resolve_resume(root.uri, store.step_uri(10), root.options) == CheckpointRef(store.step_uri(10), 10)
+    outside = {"allow_outside": True}
+    assert resolve_resume(fresh, store.step_uri(10), root.options, **outside) == CheckpointRef(store.step_uri(10), 10)
+    assert resolve_resume(fresh, store.step_uri(10) + "/", root.options, **outside) == CheckpointRef(
+        store.step_uri(10), 10
+    )
+    assert resolve_resume(other, root.uri, root.options, **outside) == latest
     with pytest.raises(StorageError, match="not committed"):
-        resolve_resume(fresh, store.step_uri(30), root.options)
+        resolve_resume(fresh, store.step_uri(30), root.options, **outside)
     with pytest.raises(StorageError, match="no committed checkpoint under"):
-        resolve_resume(root.uri, fresh, root.options)
+        resolve_resume(root.uri, fresh, root.options, **outside)
 
 
 @pytest.mark.parametrize("value", ["latest", "", "  ", "relative/dir"])

@@ -137,15 +137,24 @@ def test_saving_the_resumed_step_again_keeps_it(tmp_path: Path, clean_env: Any) 
     assert torch.equal(loaded["x"], torch.zeros(3))
 
 
-def test_a_torn_leftover_is_replaced(tmp_path: Path, clean_env: Any) -> None:
+def test_a_torn_leftover_is_written_beside_not_listed(tmp_path: Path, clean_env: Any) -> None:
     torn = tmp_path / "ckpt" / "step-00000004"
     torn.mkdir(parents=True)
     (torn / "junk-from-a-dead-try.bin").write_bytes(b"x")
+    (torn / "state.pt").write_bytes(b"half")  # what a dead (or still running) writer left
     store = CheckpointStore(str(tmp_path / "ckpt"))
     assert store.latest() is None
-    save_checkpoint({"x": torch.ones(1)}, 4, uri=str(tmp_path / "ckpt"))
-    assert set(store.read_marker(4)["files"]) == {"state.pt"}
-    assert not (torn / "junk-from-a-dead-try.bin").exists()
+    uri = save_checkpoint({"x": torch.ones(1)}, 4, uri=str(tmp_path / "ckpt"))
+    marker = store.read_marker(4)
+    # The marker names only what this writer wrote, under a name of its own: nothing it did not
+    # write is listed, overwritten or deleted (another writer may still be at work there).
+    assert list(marker["files"]) == [marker["state_file"]] and re.fullmatch(
+        r"state-[0-9a-f]{8}\.pt", marker["state_file"]
+    )
+    assert (torn / "state.pt").read_bytes() == b"half"
+    assert store.verify(4) == []
+    loaded = load_checkpoint(uri=uri)
+    assert loaded is not None and torch.equal(loaded["x"], torch.ones(1))
 
 
 def test_async_save_writes_the_state_as_it_was(location: Location, clean_env: Any) -> None:

@@ -4,10 +4,20 @@ Layout under a checkpoint URI (``file://`` or a plain local path by default, ``s
 
     <uri>/step-00000120/state.pt      (what the ranks wrote: any files, any depth; see
                                        airflow_torchrun.worker.checkpoint for what save_checkpoint writes)
-    <uri>/step-00000120/COMMITTED     (JSON: step, time, world size, files and sizes; written last)
+    <uri>/step-00000120/COMMITTED     (JSON: step, time, world size, format, lineage and writer, every
+                                       file with its size and CRC-32; written last)
+    <uri>/LINEAGE                     (JSON: the task instance lineage that owns the root)
 
 A step directory without ``COMMITTED`` is *torn* (a writer died, or is still writing): it is never
-resumed and never counted for retention. "Latest" is the newest committed step.
+resumed and never counted for retention. A committed step whose files do not match the marker
+(missing, truncated, altered) is *damaged*: it is never resumed either, and the previous committed
+step is used. "Latest" is the newest committed step that verifies.
+
+**Lineage.** A root belongs to one task instance lineage (dag, run, task, map index): the first task
+that uses it writes ``LINEAGE`` (:func:`claim_lineage`), and any other lineage is refused before a
+rank starts, so a fresh start never deletes, shadows or resumes another lineage's steps, and
+retention (which works on one root) only ever prunes the writing lineage's own steps. Every try and
+group that commits a step is recorded in its marker (``lineage``, ``writer``).
 
 This module imports neither Airflow nor torch: the operator uses it before any rank starts
 (:meth:`CheckpointStore.check_access`, :func:`resolve_resume`) and the worker helpers in
@@ -26,6 +36,7 @@ import os
 import re
 import time
 import uuid
+import zlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,7 +54,11 @@ SUPPORTED_SCHEMES = ("file", "s3")
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8
 COMMIT_MARKER = "COMMITTED"
-MARKER_VERSION = 1
+LINEAGE_FILE = "LINEAGE"
+MARKER_VERSION = 2
+CHECKSUM_ALGO = "crc32"
+# Read in pieces this big when checksumming a stored file.
+CHUNK_BYTES = 8 << 20
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
 # The part of storage_options that is not an AWS_* variable reaches the ranks as JSON here.
@@ -63,6 +78,43 @@ class CheckpointRef:
 
     uri: str
     step: int
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The task instance lineage that owns a checkpoint root: every try of one mapped-or-not task
+    of one DAG run."""
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    map_index: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dag_id": self.dag_id, "run_id": self.run_id, "task_id": self.task_id, "map_index": self.map_index}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Lineage:
+        return cls(
+            dag_id=str(data.get("dag_id")),
+            run_id=str(data.get("run_id")),
+            task_id=str(data.get("task_id")),
+            map_index=int(data.get("map_index", -1)),
+        )
+
+    def describe(self) -> str:
+        index = f", map index {self.map_index}" if self.map_index >= 0 else ""
+        return f"dag {self.dag_id!r}, run {self.run_id!r}, task {self.task_id!r}{index}"
+
+
+def crc32_of(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32 of ``data`` (continuing from ``value``)."""
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def checksum_text(value: int) -> str:
+    """A checksum as the marker records it: ``crc32:<8 hex digits>``."""
+    return f"{CHECKSUM_ALGO}:{value:08x}"
 
 
 @dataclass(frozen=True)
@@ -307,18 +359,92 @@ class CheckpointStore:
         return bool(self.fs.exists(path))
 
     def committed(self) -> list[CheckpointRef]:
-        """Every committed checkpoint, oldest first."""
+        """Every committed checkpoint (marker present; not verified), oldest first."""
         return [CheckpointRef(self.step_uri(s), s) for s in self._step_dirs() if self.is_committed(s)]
 
-    def latest(self) -> CheckpointRef | None:
-        """The newest committed checkpoint, or None when there is none (torn directories are skipped)."""
+    def latest(self, *, verify: bool = True, skip: Collection[int] = ()) -> CheckpointRef | None:
+        """The newest committed checkpoint that verifies, or None when there is none.
+
+        Torn directories are skipped silently; a committed step whose files do not match its marker
+        (:meth:`verify` with sizes only: a listing, no download) is skipped with a warning naming
+        what is wrong, and the previous committed step is tried. ``skip``: steps not to consider.
+        """
         for step in reversed(self._step_dirs()):
-            if self.is_committed(step):
-                return CheckpointRef(self.step_uri(step), step)
+            if step in skip or not self.is_committed(step):
+                continue
+            if verify:
+                problems = self.verify(step, content=False)
+                if problems:
+                    log.warning(
+                        "Skipping checkpoint %s: %s; trying the previous committed step",
+                        self.step_uri(step),
+                        "; ".join(problems),
+                    )
+                    continue
+            return CheckpointRef(self.step_uri(step), step)
         return None
+
+    def verify(self, step: int, *, content: bool = True) -> list[str]:
+        """What is wrong with committed ``step`` (empty when nothing is): its marker must be readable
+        and every file it lists present with the recorded size and, with ``content``, checksum."""
+        try:
+            marker = self.read_marker(step)
+        except StorageError as exc:
+            return [str(exc)]
+        expected = marker_files(marker)
+        if not expected:
+            return ["its commit marker lists no files"]
+        found = self.list_files(step)
+        problems = []
+        for rel, (size, checksum) in expected.items():
+            if rel not in found:
+                problems.append(f"{rel} is missing")
+            elif found[rel] != size:
+                problems.append(f"{rel} has {found[rel]} bytes, the marker says {size}")
+            elif content and checksum is not None:
+                actual = self.checksum_file(f"{self.step_path(step)}/{rel}")
+                if actual != checksum:
+                    problems.append(f"{rel} does not match its checksum ({actual}, the marker says {checksum})")
+        return problems
+
+    def checksum_file(self, path: str) -> str:
+        """The marker-style checksum of a stored file (read in pieces)."""
+        value = 0
+        with self.fs.open(path, "rb", block_size=CHUNK_BYTES) as fp:
+            while True:
+                chunk = fp.read(CHUNK_BYTES)
+                if not chunk:
+                    break
+                value = crc32_of(chunk, value)
+        return checksum_text(value)
+
+    # -- lineage ----------------------------------------------------------------------------
+    def read_lineage(self) -> Lineage | None:
+        """The lineage that owns this root (its ``LINEAGE`` file), or None when none claimed it."""
+        path = f"{self.location.path}/{LINEAGE_FILE}"
+        self.fs.invalidate_cache(self.location.path)
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        try:
+            return Lineage.from_dict(json.loads(raw))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StorageError(
+                f"{self.uri}/{LINEAGE_FILE} is not valid: {exc}; remove it only if no other task uses this root",
+                transient=False,
+            ) from exc
+
+    def write_lineage(self, lineage: Lineage) -> None:
+        if self.location.scheme == "file":
+            os.makedirs(self.location.path, exist_ok=True)
+        data = json.dumps(lineage.to_dict(), sort_keys=True).encode()
+        self.fs.pipe_file(f"{self.location.path}/{LINEAGE_FILE}", data)
 
     def read_marker(self, step: int) -> dict[str, Any]:
         """The commit marker of ``step``; :class:`StorageError` if the step is not committed."""
+        # A listing cached by this process (s3fs keeps one) must not hide a marker written since.
+        self.fs.invalidate_cache(self.step_path(step))
         try:
             raw = self.fs.cat_file(self._marker_path(step))
         except FileNotFoundError:
@@ -351,25 +477,36 @@ class CheckpointStore:
         return dict(sorted(files.items()))
 
     def commit(
-        self, step: int, meta: Mapping[str, Any] | None = None, *, files: Mapping[str, int] | None = None
+        self,
+        step: int,
+        meta: Mapping[str, Any] | None = None,
+        *,
+        files: Mapping[str, int] | None = None,
+        checksums: Mapping[str, str] | None = None,
     ) -> CheckpointRef:
         """Write the commit marker of ``step``: call it only once every file of the step is written.
 
-        The marker records the step, the time, the files with their sizes (``files``, listed from
-        the step directory when not given) and ``meta`` (world size, format...). It is written in
-        one piece (a rename locally, a single PUT on S3), so a reader sees either no marker or a
-        complete one.
+        The marker records the step, the time, the files with their sizes (``files``: what the
+        writer wrote; listed from the step directory when not given) and CRC-32 checksums
+        (``checksums``; computed from the stored files for any file without one) and ``meta``
+        (world size, format, lineage, writer...). It is written in one piece (a rename locally,
+        a single PUT on S3), so a reader sees either no marker or a complete one.
         """
         files = dict(files) if files is not None else self.list_files(step)
         if not files:
             raise StorageError(f"refusing to commit {self.step_uri(step)}: the step directory holds no files")
+        sums = dict(checksums or {})
+        for rel in files:
+            if rel not in sums:
+                sums[rel] = self.checksum_file(f"{self.step_path(step)}/{rel}")
         marker: dict[str, Any] = dict(meta or {})
         marker.update(
             {
                 "version": MARKER_VERSION,
                 "step": step,
                 "committed_at": time.time(),
-                "files": files,
+                "files": dict(sorted(files.items())),
+                "checksums": {rel: sums[rel] for rel in sorted(files)},
                 "total_bytes": sum(files.values()),
             }
         )
@@ -401,8 +538,9 @@ class CheckpointStore:
     def prune(self, keep_last: int, protect: Collection[str] = ()) -> list[str]:
         """Delete old checkpoints; return the URIs deleted.
 
-        Keeps the newest ``keep_last`` committed steps; never deletes a URI in ``protect`` (the
-        checkpoint being resumed from) nor the newest committed one. Torn directories older than
+        Keeps the ``keep_last`` most recently committed steps (commit time, then step); never deletes
+        a URI in ``protect`` (the checkpoint being resumed from). Only this root is touched, and a
+        root belongs to one lineage (:func:`claim_lineage`). Torn directories older than
         the newest committed step are removed too (they can never be resumed); newer torn ones may
         still be in the middle of being written and are left alone.
         """
@@ -413,17 +551,25 @@ class CheckpointStore:
         committed = [s for s in steps if self.is_committed(s)]
         if not committed:
             return []
-        keep = set(committed[-keep_last:])
+        # Newest by commit time, not by step: a fresh start of this lineage (resume="never" on a
+        # retry) writes low steps after high ones, and those are the ones to keep.
+        keep = set(sorted(committed, key=lambda s: (self._committed_at(s), s))[-keep_last:])
         newest = committed[-1]
         deleted = []
         for step in steps:
-            if step in keep or step >= newest or self.step_uri(step) in protected:
+            if step in keep or (step >= newest and step not in committed) or self.step_uri(step) in protected:
                 continue
             self.delete_step(step)
             deleted.append(self.step_uri(step))
         if deleted:
             log.info("Pruned %d checkpoint(s) under %s: %s", len(deleted), self.uri, ", ".join(deleted))
         return deleted
+
+    def _committed_at(self, step: int) -> float:
+        try:
+            return float(self.read_marker(step).get("committed_at") or 0.0)
+        except (StorageError, TypeError, ValueError):
+            return 0.0
 
     # -- access check -----------------------------------------------------------------------
     def check_access(self, *, write: bool = True) -> None:
@@ -599,16 +745,99 @@ def describe_s3_error(exc: BaseException, *, uri: str, bucket: str, endpoint: st
     return f"cannot use {uri}{detail}: {type(exc).__name__}: {exc}"
 
 
+def marker_files(marker: Mapping[str, Any]) -> dict[str, tuple[int, str | None]]:
+    """A marker's files: relative path -> (size, checksum or None for a version-1 marker)."""
+    files = marker.get("files") or {}
+    sums = marker.get("checksums") or {}
+    out: dict[str, tuple[int, str | None]] = {}
+    if isinstance(files, Mapping):
+        for rel, size in files.items():
+            checksum = sums.get(rel) if isinstance(sums, Mapping) else None
+            out[str(rel)] = (int(size), str(checksum) if checksum else None)
+    return out
+
+
+def claim_lineage(store: CheckpointStore, lineage: Lineage) -> None:
+    """Make sure ``store``'s root belongs to ``lineage`` (claiming it when nobody has), before launch.
+
+    Raises a permanent :class:`StorageError` when the root belongs to another lineage (its
+    ``LINEAGE`` file, or the lineage recorded in its committed steps' markers): a fresh start there
+    would shadow its checkpoints and retention would prune them. Nothing is deleted.
+    """
+    owner = store.read_lineage()
+    if owner is None:
+        for ref in store.committed():
+            try:
+                recorded = store.read_marker(ref.step).get("lineage")
+            except StorageError:
+                continue
+            if isinstance(recorded, Mapping):
+                owner = Lineage.from_dict(recorded)
+                break
+        if owner is None or owner == lineage:
+            if owner is None and store.committed():
+                log.warning(
+                    "Checkpoint root %s holds committed steps of no recorded lineage (written by an older "
+                    "version); %s adopts them",
+                    store.uri,
+                    lineage.describe(),
+                )
+            store.write_lineage(lineage)
+            return
+    if owner != lineage:
+        raise StorageError(
+            f"checkpoint_uri {store.uri} belongs to another task instance ({owner.describe()}); this task "
+            f"({lineage.describe()}) would shadow its checkpoints, and retention would prune them, so nothing "
+            "was launched and nothing was deleted. Give this task a checkpoint_uri of its own (leave "
+            "checkpoint_uri unset for the per-run default, or put {{ run_id }} in it); to start from that task's "
+            f"checkpoints, set resume={store.uri!r} and resume_from_outside=True on a checkpoint_uri of its own",
+            transient=False,
+        )
+
+
+def final_checkpoint(store: CheckpointStore, lineage: Lineage) -> CheckpointRef | None:
+    """The task's own final checkpoint: of the committed steps that verify (sizes) and that
+    ``lineage`` wrote, the most recently committed one (a fresh start on a retry writes low steps
+    after an earlier try's high ones; its own are the result). None when there is none."""
+    best: tuple[float, int] | None = None
+    for ref in store.committed():
+        try:
+            marker = store.read_marker(ref.step)
+        except StorageError:
+            continue
+        recorded = marker.get("lineage")
+        if isinstance(recorded, Mapping) and Lineage.from_dict(recorded) != lineage:
+            continue
+        if store.verify(ref.step, content=False):
+            continue
+        key = (float(marker.get("committed_at") or 0.0), ref.step)
+        if best is None or key > best:
+            best = key
+    return CheckpointRef(store.step_uri(best[1]), best[1]) if best else None
+
+
+def is_within(uri: str, root: str) -> bool:
+    """True when ``uri`` is ``root`` or lies under it (canonical forms compared)."""
+    uri, root = normalize_uri(uri), normalize_uri(root)
+    return uri == root or uri.startswith(root + "/")
+
+
 def resolve_resume(
-    checkpoint_uri: str, resume: str, storage_options: Mapping[str, Any] | None = None
+    checkpoint_uri: str,
+    resume: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    allow_outside: bool = False,
 ) -> CheckpointRef | None:
     """Decide which committed checkpoint a new try starts from.
 
     :param checkpoint_uri: where this task's checkpoints go.
-    :param resume: ``"auto"``: the latest committed checkpoint under ``checkpoint_uri``, or None on
-        a fresh start; ``"never"``: None; otherwise a URI: a committed step directory
-        (``.../step-00000120``, warm start from another run; an error if it is not committed) or a
-        checkpoint root (its latest committed step; an error if it has none).
+    :param resume: ``"auto"``: the latest committed checkpoint under ``checkpoint_uri`` that
+        verifies, or None on a fresh start; ``"never"``: None; otherwise a URI: a committed step
+        directory (``.../step-00000120``, warm start; an error if it is not committed or does not
+        verify) or a checkpoint root (its latest committed step that verifies; an error if none).
+    :param allow_outside: a ``resume`` URI outside ``checkpoint_uri`` is refused (permanently)
+        unless this is True: whoever can write to the store it names can run code in every rank.
     """
     if not isinstance(resume, str) or not resume.strip():
         raise StorageError(f"resume must be 'auto', 'never' or a checkpoint URI, got {resume!r}")
@@ -623,12 +852,25 @@ def resolve_resume(
             f"got {resume!r}"
         )
     location = parse_uri(resume)
+    if not allow_outside and not is_within(location.uri, checkpoint_uri):
+        raise StorageError(
+            f"resume={resume!r} lies outside this task's checkpoint_uri {normalize_uri(checkpoint_uri)}: loading a "
+            "checkpoint runs what its writer put there in every rank, so resuming from another store needs "
+            "resume_from_outside=True (only for stores that no one untrusted can write to)",
+            transient=False,
+        )
     parent, _, name = location.uri.rpartition("/")
     match = _STEP_DIR.match(name)
     if match and parent and not parent.endswith(":/"):
         store = CheckpointStore(parent, storage_options)
         step = int(match.group(1))
         store.read_marker(step)  # raises when the step is not committed
+        problems = store.verify(step, content=False)
+        if problems:
+            raise StorageError(
+                f"resume={resume!r} is damaged ({'; '.join(problems)}); point resume at another committed step",
+                transient=False,
+            )
         return CheckpointRef(store.step_uri(step), step)
     ref = CheckpointStore(location.uri, storage_options).latest()
     if ref is None:

@@ -15,6 +15,8 @@ CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
 RESUME_FROM = "TRAIN_RESUME_FROM"
 CHECKPOINT_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
 CHECKPOINT_STORAGE_OPTIONS = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
+CHECKPOINT_LINEAGE = "TRAIN_CHECKPOINT_LINEAGE"
+CHECKPOINT_TRUST_SHARDED = "TRAIN_CHECKPOINT_TRUST_SHARDED"
 SHARD_MANIFEST = "TRAIN_SHARD_MANIFEST"
 MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
@@ -28,6 +30,8 @@ CONTRACT_ENV: Mapping[str, str] = MappingProxyType(
         RESUME_FROM: "set the operator argument resume=... instead (EvaluateModelOperator: checkpoint=...)",
         CHECKPOINT_KEEP_LAST: "set the operator argument keep_last=... instead",
         CHECKPOINT_STORAGE_OPTIONS: "set the operator argument storage_options=... (or aws_conn_id=...) instead",
+        CHECKPOINT_LINEAGE: "derived from the task instance; set checkpoint_uri=... for another root instead",
+        CHECKPOINT_TRUST_SHARDED: "set the operator argument trust_foreign_sharded=... (True) instead",
         SHARD_MANIFEST: "set the operator argument shard_manifest=... instead",
         MLFLOW_TRACKING_URI: "set the operator argument mlflow_tracking_uri=... instead",
         MLFLOW_RUN_ID: "set track=True (EvaluateModelOperator: mlflow_run_id=...) instead",

@@ -73,8 +73,13 @@ class EvaluateModelOperator(GroupOperator):
         ref = ref_from_uri(self.checkpoint)
         options = self.storage_options_resolved()
         store = CheckpointStore(self._checkpoint_root(), options)
-        # Only a committed checkpoint is evaluated.
-        self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step))
+        # Only a committed checkpoint is evaluated, and only one whose files match its marker.
+        marker = self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step))
+        problems = self.preflight("checking the checkpoint's files", lambda: store.verify(ref.step, content=False))
+        if problems:
+            raise AirflowFailException(
+                f"{self._where}: checkpoint {self.checkpoint} is damaged ({'; '.join(problems)}); evaluate another step"
+            )
         metrics_uri = self._metrics_location(context)
         self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
         # Storage credentials by the same rule as training's: never in plain pod env.
@@ -82,6 +87,11 @@ class EvaluateModelOperator(GroupOperator):
         env.update(
             {"TRAIN_RESUME_FROM": self.checkpoint, "EVAL_CHECKPOINT_URI": self.checkpoint, METRICS_ENV: metrics_uri}
         )
+        lineage = marker.get("lineage") if isinstance(marker, dict) else None
+        ti = context["ti"]
+        if isinstance(lineage, dict) and (lineage.get("dag_id"), lineage.get("run_id")) == (self.dag_id, ti.run_id):
+            # A sibling task of this DAG run wrote it: the DAG's own trust domain, sharded or not.
+            env["TRAIN_CHECKPOINT_TRUST_SHARDED"] = "1"
         if self.shard_manifest:
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
         if self.mlflow_run_id:

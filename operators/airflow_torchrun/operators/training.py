@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import json
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,7 @@ from airflow_torchrun.state import state_dir
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.handles import GroupHandle
+    from airflow_torchrun.checkpoint import Lineage
     from airflow_torchrun.compat import Context
     from airflow_torchrun.watch import Verdict
 
@@ -62,13 +63,23 @@ class DistributedTrainingOperator(GroupOperator):
         gives up on the group; a healthy group is never torn down for less. A permanent error
         (403, a malformed answer) gives up at once. Default 300.
     :param checkpoint_uri: Where this task's checkpoints go (``file://...``, ``s3://bucket/...``;
-        templated). Default: ``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``, shared
-        by every try of one DAG run's task, so a retry finds what the failed try saved. Ranks see it
-        as ``TRAIN_CHECKPOINT_URI``.
+        templated). Default: ``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>`` (a mapped
+        task instance: ``<task_id>~map<index>``; a segment that is not plain letters, digits, ``.``,
+        ``_``, ``-`` is sanitised and gets ``~<hash>``, so different ids never share a directory),
+        shared by every try of one DAG run's task, so a retry finds what the failed try saved. Ranks
+        see it as ``TRAIN_CHECKPOINT_URI``. A root belongs to the first task instance that uses it:
+        another task, run or DAG on the same root is refused before launch, and nothing is deleted.
     :param resume: ``"auto"`` (default): resume from the latest committed checkpoint under
-        ``checkpoint_uri``, if any; ``"never"``; or the URI of a committed checkpoint (or of a
-        checkpoint root) to warm-start from. Ranks see it as ``TRAIN_RESUME_FROM`` (empty on a
-        fresh start). Templated.
+        ``checkpoint_uri`` that verifies (a damaged one is skipped, with a warning, for the
+        previous); ``"never"``; or the URI of a committed checkpoint (or of a checkpoint root) to
+        warm-start from. Ranks see it as ``TRAIN_RESUME_FROM`` (empty on a fresh start). Templated.
+    :param resume_from_outside: Allow ``resume`` to name a checkpoint outside ``checkpoint_uri``
+        (another run's, another DAG's). Off by default: ``resume`` is templated, so a trigger Param
+        could otherwise point every rank at any store, and whoever can write there decides what
+        the ranks load.
+    :param trust_foreign_sharded: Allow the ranks to load a sharded (``torch.distributed.checkpoint``)
+        checkpoint of another lineage (``TRAIN_CHECKPOINT_TRUST_SHARDED``): its metadata is
+        unpickled, so only for stores no one untrusted can write to. Off by default.
     :param keep_last: Committed checkpoints to keep (``TRAIN_CHECKPOINT_KEEP_LAST``); the one
         resumed from is never deleted.
     :param aws_conn_id: Airflow connection holding S3 credentials and, in its extra,
@@ -115,6 +126,8 @@ class DistributedTrainingOperator(GroupOperator):
         *,
         checkpoint_uri: str | None = None,
         resume: str = RESUME_AUTO,
+        resume_from_outside: bool = False,
+        trust_foreign_sharded: bool = False,
         keep_last: int = 3,
         shard_manifest: str | None = None,
         track: bool = True,
@@ -125,6 +138,8 @@ class DistributedTrainingOperator(GroupOperator):
         super().__init__(**kwargs)
         self.checkpoint_uri = checkpoint_uri
         self.resume = resume
+        self.resume_from_outside = bool(resume_from_outside)
+        self.trust_foreign_sharded = bool(trust_foreign_sharded)
         self.keep_last = keep_last
         self.shard_manifest = shard_manifest
         self.track = track
@@ -150,15 +165,26 @@ class DistributedTrainingOperator(GroupOperator):
 
     # -- the rank contract --------------------------------------------------------------------
     def default_checkpoint_uri(self, context: Context) -> str:
-        """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run."""
+        """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run.
+
+        Derived by :func:`airflow_torchrun.naming.lineage_path`: injective in dag, run, task and
+        map index.
+        """
+        from airflow_torchrun.naming import lineage_path
+
         base = conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
+        lineage = self.lineage(context)
+        return f"{base.rstrip('/')}/{lineage_path(lineage.dag_id, lineage.run_id, lineage.task_id, lineage.map_index)}"
+
+    def lineage(self, context: Context) -> Lineage:
+        """The task instance lineage that owns this task's checkpoints (every try of it)."""
+        from airflow_torchrun.checkpoint import Lineage
+
         ti = context.get("ti")
         run_id = str(ti.run_id if ti is not None else context["run_id"])
         raw_index = ti.map_index if ti is not None else context.get("map_index", -1)
         map_index = int(raw_index) if isinstance(raw_index, int) else -1
-        task = self.task_id if map_index < 0 else f"{self.task_id}-{map_index}"
-        run = re.sub(r"[^A-Za-z0-9._=-]+", "_", run_id)
-        return f"{base.rstrip('/')}/{self.dag_id}/{run}/{task}"
+        return Lineage(dag_id=str(self.dag_id), run_id=run_id, task_id=str(self.task_id), map_index=map_index)
 
     def contract_env_preview(self, context: Context) -> dict[str, str]:
         preview = {
@@ -184,7 +210,7 @@ class DistributedTrainingOperator(GroupOperator):
         ``MLFLOW_RUN_ID``; data: ``TRAIN_SHARD_MANIFEST``. Secrets travel only in the ranks'
         environment, never in logs, XCom or rendered fields.
         """
-        from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume
+        from airflow_torchrun.checkpoint import CheckpointStore, claim_lineage, resolve_resume
 
         ti = context["ti"]
         uri = self.checkpoint_uri or self.default_checkpoint_uri(context)
@@ -198,7 +224,12 @@ class DistributedTrainingOperator(GroupOperator):
         options = self.storage_options_resolved()
         store = CheckpointStore(uri, options)
         self.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
-        ref = self.preflight("finding the checkpoint to resume from", lambda: resolve_resume(uri, self.resume, options))
+        lineage = self.lineage(context)
+        self.preflight("checking who owns the checkpoints", lambda: claim_lineage(store, lineage))
+        ref = self.preflight(
+            "finding the checkpoint to resume from",
+            lambda: resolve_resume(uri, self.resume, options, allow_outside=self.resume_from_outside),
+        )
         if ref is None:
             self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
         else:
@@ -210,8 +241,13 @@ class DistributedTrainingOperator(GroupOperator):
                 "TRAIN_CHECKPOINT_URI": store.uri,
                 "TRAIN_RESUME_FROM": ref.uri if ref else "",
                 "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
+                "TRAIN_CHECKPOINT_LINEAGE": json.dumps(
+                    {**lineage.to_dict(), "try_number": ti.try_number}, sort_keys=True
+                ),
             }
         )
+        if self.trust_foreign_sharded:
+            env["TRAIN_CHECKPOINT_TRUST_SHARDED"] = "1"
         if self.shard_manifest:
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
         if self.track:
@@ -255,14 +291,14 @@ class DistributedTrainingOperator(GroupOperator):
 
     def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, Any]:
         """The group's summary (XCom ``return_value``)."""
-        from airflow_torchrun.checkpoint import CheckpointStore
+        from airflow_torchrun.checkpoint import CheckpointStore, final_checkpoint
 
         wall = time.time() - handle.launched_at
         self.log.info("Group %s succeeded: every node exited 0, %.1fs after launch", handle.group_id, wall)
         if self.checkpoint_uri is None:  # re-entry after deferral: a new process, same default
             self.checkpoint_uri = self.default_checkpoint_uri(context)
         store = CheckpointStore(self.checkpoint_uri, self.storage_options_resolved())
-        ref = self.preflight("reading the final checkpoint", store.latest)
+        ref = self.preflight("reading the final checkpoint", lambda: final_checkpoint(store, self.lineage(context)))
         if ref is not None:
             self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
         assert self._engine is not None  # finish runs only after the engine did

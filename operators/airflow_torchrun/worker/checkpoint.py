@@ -10,6 +10,10 @@ Contract with the operator (environment of every rank):
     How many committed checkpoints to keep (default 3; 0 keeps all). The one resumed from is never deleted.
 ``TRAIN_CHECKPOINT_STORAGE_OPTIONS``
     Optional JSON object of s3fs options; the standard ``AWS_*`` variables are honoured without it.
+``TRAIN_CHECKPOINT_LINEAGE``
+    JSON: the task instance (dag, run, task, map index) and try writing; recorded in every commit marker.
+``TRAIN_CHECKPOINT_TRUST_SHARDED``
+    ``1`` when the operator was told to trust sharded checkpoints of other lineages (their metadata is pickled).
 
 Typical use in a torchrun script::
 
@@ -26,10 +30,16 @@ Typical use in a torchrun script::
 
 Every rank calls :func:`save_checkpoint`. Rank 0 writes the state and the RNG states of every rank
 (gathered to it) as one ``torch.save`` file, all ranks meet at a barrier, rank 0 writes
-the commit marker and prunes old checkpoints, and a final barrier releases everyone. A rank that
-dies on the way leaves the step uncommitted: it is never resumed. State dicts holding DTensor or
-ShardedTensor values (or ``sharded=True``) go through ``torch.distributed.checkpoint`` instead:
-every rank writes its own part, and :func:`load_checkpoint` then needs ``into=`` (loaded in place).
+the commit marker (every file with its size and CRC-32, the world size, format, lineage and writer)
+and prunes old checkpoints, and a final barrier releases everyone. A rank that dies on the way
+leaves the step uncommitted: it is never resumed. State dicts holding DTensor or ShardedTensor values
+(or ``sharded=True``) go through ``torch.distributed.checkpoint`` instead: every rank writes its own
+part, and :func:`load_checkpoint` then needs ``into=`` (loaded in place).
+
+:func:`load_checkpoint` verifies what it loads against the marker (sizes and checksums). A damaged
+step (truncated, altered, a file missing) is never loaded: it is skipped with a warning, the previous
+committed step that verifies is loaded instead, and ``TRAIN_RESUME_FROM`` is updated so that
+:func:`resume_step` (call it after :func:`load_checkpoint`) says which.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import os
 import random
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,7 +63,18 @@ import torch
 import torch.distributed as dist
 
 from airflow_torchrun import contract
-from airflow_torchrun.checkpoint import STORAGE_OPTIONS_ENV, CheckpointStore, normalize_uri, ref_from_uri
+from airflow_torchrun.checkpoint import (
+    STORAGE_OPTIONS_ENV,
+    CheckpointRef,
+    CheckpointStore,
+    Lineage,
+    checksum_text,
+    crc32_of,
+    is_within,
+    marker_files,
+    normalize_uri,
+    ref_from_uri,
+)
 from airflow_torchrun.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -61,6 +83,8 @@ ENV_CHECKPOINT_URI = contract.CHECKPOINT_URI
 ENV_RESUME_FROM = contract.RESUME_FROM
 ENV_KEEP_LAST = contract.CHECKPOINT_KEEP_LAST
 ENV_STORAGE_OPTIONS = STORAGE_OPTIONS_ENV
+ENV_LINEAGE = contract.CHECKPOINT_LINEAGE
+ENV_TRUST_SHARDED = contract.CHECKPOINT_TRUST_SHARDED
 DEFAULT_KEEP_LAST = 3
 
 STATE_FILE = "state.pt"
@@ -130,6 +154,52 @@ def _store_for(root: str) -> CheckpointStore:
     return CheckpointStore(root, _storage_options())
 
 
+def _lineage_env() -> dict[str, Any] | None:
+    raw = os.environ.get(ENV_LINEAGE, "").strip()
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        log.warning("%s is not valid JSON; checkpoints will record no lineage", ENV_LINEAGE)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _writer() -> dict[str, Any]:
+    """Who commits: the try, the group (torchrun's run id), the host and process."""
+    lineage = _lineage_env() or {}
+    return {
+        "try_number": lineage.get("try_number"),
+        "group_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "host": os.uname().nodename,
+        "pid": os.getpid(),
+    }
+
+
+class _ChecksumWriter:
+    """A write-only file object that passes everything on and keeps the CRC-32 and size."""
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = crc32_of(view, self.crc)
+        self.size += view.nbytes
+        self._fp.write(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._fp.flush()
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
 # -- process group ----------------------------------------------------------------------------
 @dataclass
 class _Comm:
@@ -148,6 +218,14 @@ class _Comm:
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Everyone's ``obj`` on every rank."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def gather(self, obj: Any) -> list[Any]:
         """Everyone's ``obj`` on rank 0 (an empty list elsewhere)."""
@@ -284,39 +362,67 @@ def _cpu_snapshot(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _write_torch(store: CheckpointStore, path: str, obj: Any) -> None:
-    """torch.save ``obj`` to ``path``: a temp name then an atomic rename locally, one object on S3."""
+def _write_torch(store: CheckpointStore, path: str, obj: Any) -> tuple[int, str]:
+    """torch.save ``obj`` to ``path`` (a temp name then an atomic rename locally, one object on S3);
+    return its size and checksum, computed as the bytes go out (no second read)."""
     if store.location.scheme == "file":
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         with open(tmp, "wb") as fp:
-            torch.save(obj, fp)
+            writer = _ChecksumWriter(fp)
+            torch.save(obj, writer)  # type: ignore[arg-type]
             fp.flush()
             os.fsync(fp.fileno())
         os.replace(tmp, path)
     else:
         with store.fs.open(path, "wb") as fp:
-            torch.save(obj, fp)
+            writer = _ChecksumWriter(fp)
+            torch.save(obj, writer)  # type: ignore[arg-type]
+    return writer.size, writer.checksum
 
 
-def _read_torch(store: CheckpointStore, path: str, *, map_location: Any, weights_only: bool) -> Any:
-    if store.location.scheme == "file":
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    # One GET of the whole object: torch.load seeks around, which costs a request per seek on S3.
-    data = store.fs.cat_file(path)
+def _read_verified(store: CheckpointStore, path: str, size: int | None, checksum: str | None) -> bytes:
+    """The bytes of ``path``, checked against the marker's size and checksum (raises _Damaged)."""
+    try:
+        if store.location.scheme == "file":
+            with open(path, "rb") as fp:
+                data = fp.read()
+        else:
+            # One GET of the whole object: torch.load seeks around, which costs a request per seek on S3.
+            store.fs.invalidate_cache(path.rsplit("/", 1)[0])
+            data = store.fs.cat_file(path)
+    except FileNotFoundError:
+        raise _Damaged(f"{path.rsplit('/', 1)[-1]} is missing") from None
+    name = path.rsplit("/", 1)[-1]
+    if size is not None and len(data) != size:
+        raise _Damaged(f"{name} has {len(data)} bytes, the marker says {size}")
+    if checksum is not None:
+        actual = checksum_text(crc32_of(data))
+        if actual != checksum:
+            raise _Damaged(f"{name} does not match its checksum ({actual}, the marker says {checksum})")
+    return data
+
+
+class _Damaged(Exception):
+    """A committed step whose files do not match its marker."""
+
+
+def _read_torch(
+    store: CheckpointStore,
+    path: str,
+    *,
+    map_location: Any,
+    weights_only: bool,
+    size: int | None = None,
+    checksum: str | None = None,
+) -> Any:
+    data = _read_verified(store, path, size, checksum)
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
 
-def _clear_step(store: CheckpointStore, step: int) -> None:
-    """Make room for a fresh write of ``step`` (a torn leftover from an earlier try, or a rewrite)."""
-    store.fs.invalidate_cache(store.location.path)
-    if store.fs.exists(store.step_path(step)):
-        log.warning(
-            "Checkpoint %s already exists (%s); rewriting it",
-            store.step_uri(step),
-            "committed" if store.is_committed(step) else "torn",
-        )
-        store.delete_step(step)
+def _committed_and_sound(store: CheckpointStore, step: int) -> bool:
+    """True when ``step`` is committed and its files have the sizes its marker records."""
+    return store.is_committed(step) and not store.verify(step, content=False)
 
 
 # -- saving -----------------------------------------------------------------------------------
@@ -429,13 +535,14 @@ class _SaveJob:
     def run_torch(self, payload: dict[str, Any] | None) -> str:
         """Rank 0 writes the state with every rank's RNG in one file; commit once all ranks got here."""
         step_path = self.store.step_path(self.step)
+        written: dict[str, tuple[int, str]] = {}
         if self.comm.rank == 0:
-            _clear_step(self.store, self.step)
+            name = _writer_name(self.store, self.step, STATE_FILE)
             # One file, one fsync: the RNG states are small and every rank reads the state anyway.
-            _write_torch(self.store, f"{step_path}/{STATE_FILE}", {**(payload or {}), "rng": self.rng_states})
+            written[name] = _write_torch(self.store, f"{step_path}/{name}", {**(payload or {}), "rng": self.rng_states})
         self.comm.barrier()
         if self.comm.rank == 0:
-            self._commit_and_prune(FORMAT_TORCH)
+            self._commit_and_prune(FORMAT_TORCH, written, {"state_file": next(iter(written))})
         self.comm.barrier()
         return self.store.step_uri(self.step)
 
@@ -444,23 +551,43 @@ class _SaveJob:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        if self.comm.rank == 0:
-            _clear_step(self.store, self.step)
-        self.comm.barrier()
-        writer = FsspecWriter(f"{self.store.step_uri(self.step)}/{DCP_DIR}", **self.store.storage_options)
+        step_path = self.store.step_path(self.step)
+        names = self.comm.all_gather(
+            (_writer_name(self.store, self.step, DCP_DIR), _writer_name(self.store, self.step, RNG_FILE))
+            if self.comm.rank == 0
+            else None
+        )[0]
+        dcp_dir, rng_file = names
+        writer = FsspecWriter(f"{self.store.step_uri(self.step)}/{dcp_dir}", **self.store.storage_options)
         dcp.save(dict(state), storage_writer=writer, process_group=self.comm.group, no_dist=self.comm.group is None)
+        # Each rank checksums the part it wrote (read back from the page cache locally).
+        mine: dict[str, tuple[int, str]] = {}
+        prefix = f"__{self.comm.rank}_"
+        for rel, size in self.store.list_files(self.step).items():
+            top, _, base = rel.partition("/")
+            if top == dcp_dir and (base.startswith(prefix) or (self.comm.rank == 0 and base == ".metadata")):
+                mine[rel] = (size, self.store.checksum_file(f"{step_path}/{rel}"))
         if self.comm.rank == 0:
-            _write_torch(self.store, f"{self.store.step_path(self.step)}/{RNG_FILE}", self.rng_states)
-        self.comm.barrier()
+            mine[rng_file] = _write_torch(self.store, f"{step_path}/{rng_file}", self.rng_states)
+        parts = self.comm.gather(mine)
         if self.comm.rank == 0:
-            self._commit_and_prune(FORMAT_DCP)
+            written = {rel: v for part in parts for rel, v in part.items()}
+            self._commit_and_prune(FORMAT_DCP, written, {"dcp_dir": dcp_dir, "rng_file": rng_file})
         self.comm.barrier()
         return self.store.step_uri(self.step)
 
-    def _commit_and_prune(self, fmt: str) -> None:
+    def _commit_and_prune(self, fmt: str, written: dict[str, tuple[int, str]], names: dict[str, str]) -> None:
         store = self.store
-        files = store.list_files(self.step)
-        store.commit(self.step, {**self.meta, "format": fmt, "world_size": self.comm.world_size}, files=files)
+        files = {rel: size for rel, (size, _) in written.items()}
+        meta = {
+            **self.meta,
+            **names,
+            "format": fmt,
+            "world_size": self.comm.world_size,
+            "lineage": _lineage_env(),
+            "writer": _writer(),
+        }
+        store.commit(self.step, meta, files=files, checksums={rel: c for rel, (_, c) in written.items()})
         size_mb = sum(files.values()) / 1e6
         log.info(
             "Checkpoint %s committed: %.1f MB in %.2fs",
@@ -476,6 +603,25 @@ class _SaveJob:
                 log.warning("Could not prune old checkpoints under %s", store.uri, exc_info=True)
 
 
+def _writer_name(store: CheckpointStore, step: int, name: str) -> str:
+    """``name`` for a new step directory; a name of this writer's own when the directory exists
+    (a torn leftover, another try's committed copy, a writer racing this one): nothing another
+    writer committed is overwritten or deleted, and the marker, replaced in one piece, names
+    only the files of the writer that wrote it."""
+    store.fs.invalidate_cache(store.location.path)
+    if not store.fs.exists(store.step_path(step)):
+        return name
+    stem, dot, ext = name.partition(".")
+    unique = f"{stem}-{uuid.uuid4().hex[:8]}{dot}{ext}"
+    log.info(
+        "Checkpoint %s already exists (%s); writing %s beside what is there",
+        store.step_uri(step),
+        "committed" if store.is_committed(step) else "torn",
+        unique,
+    )
+    return unique
+
+
 # -- loading ----------------------------------------------------------------------------------
 def load_checkpoint(
     map_location: Any = "cpu",
@@ -484,6 +630,7 @@ def load_checkpoint(
     into: dict[str, Any] | None = None,
     weights_only: bool = True,
     restore_rng: bool = True,
+    trust_sharded: bool | None = None,
 ) -> dict[str, Any] | None:
     """Load the checkpoint to resume from; None on a fresh start. Called by every rank.
 
@@ -495,52 +642,165 @@ def load_checkpoint(
         False only for checkpoints you trust that hold other Python objects.
     :param restore_rng: restore this rank's RNG states (torch, CUDA, numpy, ``random``) as they
         were when the checkpoint was saved, so that the next random draws match the uninterrupted run.
+    :param trust_sharded: loading a sharded checkpoint unpickles its metadata whatever
+        ``weights_only`` says, so one written by another lineage (another task, run or DAG) is
+        refused unless this is True. Default: ``TRAIN_CHECKPOINT_TRUST_SHARDED`` (the operator's
+        ``trust_foreign_sharded``).
 
-    The step is :func:`resume_step` (also in the commit marker). Raises :class:`StorageError` if
-    ``uri`` is not a committed checkpoint.
+    Every file is checked against the commit marker (size and CRC-32) before it is used. When the
+    checkpoint comes from ``TRAIN_RESUME_FROM`` and is damaged, it is skipped with a warning and the
+    previous committed step that verifies is loaded instead (``TRAIN_RESUME_FROM`` is updated, so
+    :func:`resume_step` called afterwards gives its step; None and a fresh start when none is
+    left). An explicit ``uri`` that is damaged, or not committed, raises :class:`StorageError`.
     """
+    fallback = uri is None and not os.environ.get(contract.EVAL_CHECKPOINT_URI)
     uri = uri or resume_from()
     if not uri:
         return None
     ref = ref_from_uri(uri)
     store = _store_for(ref.uri.rsplit("/", 1)[0])
+    trusted = os.environ.get(ENV_TRUST_SHARDED, "") == "1" if trust_sharded is None else trust_sharded
+    while True:
+        try:
+            return _load_one(store, ref, map_location, into, weights_only, restore_rng, trusted)
+        except _Damaged as exc:
+            if not fallback:
+                raise StorageError(f"checkpoint {ref.uri} is damaged ({exc}); it was not loaded") from None
+            previous = _previous_sound(store, ref.step)
+            log.warning(
+                "Checkpoint %s is damaged (%s): skipping it; %s",
+                ref.uri,
+                exc,
+                f"loading the previous committed step {previous.uri} instead"
+                if previous
+                else "no earlier committed step verifies: starting fresh",
+            )
+            os.environ[ENV_RESUME_FROM] = previous.uri if previous else ""
+            if previous is None:
+                return None
+            ref = previous
+
+
+def _previous_sound(store: CheckpointStore, step: int) -> CheckpointRef | None:
+    """The newest committed step before ``step`` whose files have their recorded sizes."""
+    for ref in reversed(store.committed()):
+        if ref.step < step and not store.verify(ref.step, content=False):
+            return ref
+    return None
+
+
+def _agree(ok: bool) -> bool:
+    """True when every rank says ``ok`` (just ``ok`` outside a process group), so that all ranks
+    load the same step."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    return all(_comm().all_gather(ok))
+
+
+def _is_own(marker: Mapping[str, Any], ref: CheckpointRef) -> bool:
+    """Whether a checkpoint belongs to this rank's lineage (else it is foreign)."""
+    recorded, mine = marker.get("lineage"), _lineage_env()
+    if isinstance(recorded, Mapping) and mine is not None:
+        return Lineage.from_dict(recorded) == Lineage.from_dict(mine)
+    root = os.environ.get(ENV_CHECKPOINT_URI, "").strip()
+    return bool(root) and is_within(ref.uri, root)
+
+
+def _load_one(
+    store: CheckpointStore,
+    ref: CheckpointRef,
+    map_location: Any,
+    into: dict[str, Any] | None,
+    weights_only: bool,
+    restore_rng: bool,
+    trusted: bool,
+) -> dict[str, Any]:
     marker = store.read_marker(ref.step)
+    expected = marker_files(marker)
     fmt = marker.get("format", FORMAT_TORCH)
     started = time.monotonic()
     step_path = store.step_path(ref.step)
     state: dict[str, Any]
+    rng_states: list[Any] | None
     if fmt == FORMAT_DCP:
         if into is None:
             raise StorageError(
                 f"{ref.uri} was saved sharded (torch.distributed.checkpoint); call load_checkpoint(into=state_dict) "
                 "with a state dict of the same structure (e.g. from get_state_dict) to load it in place"
             )
+        if not trusted and not _is_own(marker, ref):
+            raise StorageError(
+                f"{ref.uri} is a sharded checkpoint of another lineage: loading it unpickles its metadata, which runs "
+                "whatever its writer put there. Load it only from a store no one untrusted can write to, with "
+                "load_checkpoint(trust_sharded=True) or the operator's trust_foreign_sharded=True"
+            )
+        _verify_dcp(store, ref.step, expected)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         group = _comm().group
-        reader = FsspecReader(f"{ref.uri}/{DCP_DIR}", **store.storage_options)
+        dcp_dir = str(marker.get("dcp_dir") or DCP_DIR)
+        reader = FsspecReader(f"{ref.uri}/{dcp_dir}", **store.storage_options)
         dcp.load(into, storage_reader=reader, process_group=group, no_dist=group is None)
         state = into
-        rng_states = _read_rng_file(store, f"{step_path}/{RNG_FILE}") if restore_rng else None
+        rng_name = str(marker.get("rng_file") or RNG_FILE)
+        rng_states = _read_rng_file(store, f"{step_path}/{rng_name}", expected.get(rng_name)) if restore_rng else None
     elif fmt == FORMAT_TORCH:
-        payload = _read_torch(store, f"{step_path}/{STATE_FILE}", map_location=map_location, weights_only=weights_only)
+        name = str(marker.get("state_file") or STATE_FILE)
+        size, checksum = expected.get(name, (None, None))
+        problem = None if name in expected else f"{name} is not in the commit marker"
+        data = b""
+        if problem is None:
+            try:
+                data = _read_verified(store, f"{step_path}/{name}", size, checksum)
+            except _Damaged as exc:
+                problem = str(exc)
+        if not _agree(problem is None):
+            raise _Damaged(problem or "another rank found it damaged")
+        payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
         if not isinstance(payload, dict) or "state" not in payload:
-            raise StorageError(f"{ref.uri}/{STATE_FILE} was not written by save_checkpoint")
+            raise StorageError(f"{ref.uri}/{name} was not written by save_checkpoint")
         state = payload["state"]
         rng_states = payload.get("rng")
     else:
         raise StorageError(f"{ref.uri} has the unknown checkpoint format {fmt!r}; was it written by a newer version?")
     if restore_rng:
         _restore_rank_rng(rng_states, ref.uri)
-    log.info("Loaded checkpoint %s (step %d) in %.2fs", ref.uri, ref.step, time.monotonic() - started)
+    log.info("Loaded checkpoint %s (step %d, verified) in %.2fs", ref.uri, ref.step, time.monotonic() - started)
     return state
 
 
-def _read_rng_file(store: CheckpointStore, path: str) -> list[Any] | None:
+def _verify_dcp(store: CheckpointStore, step: int, expected: Mapping[str, tuple[int, str | None]]) -> None:
+    """Sizes on every rank; checksums shared out between the ranks; all agree (raises _Damaged)."""
+    found = store.list_files(step)
+    rank, world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    for index, (rel, (size, checksum)) in enumerate(sorted(expected.items())):
+        if rel not in found:
+            problems.append(f"{rel} is missing")
+        elif found[rel] != size:
+            problems.append(f"{rel} has {found[rel]} bytes, the marker says {size}")
+        elif checksum is not None and index % world == rank:
+            actual = store.checksum_file(f"{store.step_path(step)}/{rel}")
+            if actual != checksum:
+                problems.append(f"{rel} does not match its checksum ({actual}, the marker says {checksum})")
+    if not expected:
+        problems.append("its commit marker lists no files")
+    everyone = _comm().all_gather(problems) if world > 1 else [problems]
+    merged = sorted({p for part in everyone for p in part})
+    if merged:
+        raise _Damaged("; ".join(merged))
+
+
+def _read_rng_file(store: CheckpointStore, path: str, recorded: tuple[int, str | None] | None) -> list[Any] | None:
+    size, checksum = recorded if recorded is not None else (None, None)
     try:
-        states = _read_torch(store, path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
+        states = _read_torch(store, path, map_location="cpu", weights_only=True, size=size, checksum=checksum)
+    except _Damaged:
+        if recorded is not None:
+            raise
         return None
     return states if isinstance(states, list) else None
 
