@@ -39,7 +39,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from airflow_torchrun.worker import ProgressLogger, load_checkpoint, resume_step, save_checkpoint, wait_for_checkpoint
+from airflow_torchrun.worker import (
+    ProgressLogger,
+    load_checkpoint,
+    resume_step,
+    save_checkpoint,
+    save_if_stopping,
+    wait_for_checkpoint,
+)
 from airflow_torchrun.worker.tracking import RunLogger, StepTimer
 
 if TYPE_CHECKING:
@@ -292,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.step()
             progress.update(step, loss=loss.item())
             tracker.log_step(step, loss=loss.item(), samples=args.batch_size * world_size, timing=timer.lap())
+            if checkpointing:
+                # Asked to stop (SIGTERM)? Every rank saves this step and exits 75; the retry resumes here.
+                save_if_stopping(state_dict, step, meta={"epoch": epoch})
             if checkpointing and args.checkpoint_every and step % args.checkpoint_every == 0 and step < total_steps:
                 tick = time.monotonic()
                 save_checkpoint(state_dict(), step, blocking=not args.async_checkpoint, meta={"epoch": epoch})

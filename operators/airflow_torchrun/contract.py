@@ -23,6 +23,10 @@ MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
 EVAL_CHECKPOINT_URI = "EVAL_CHECKPOINT_URI"
 EVAL_METRICS_URI = "EVAL_METRICS_URI"
 
+# A rank that was asked to stop (SIGTERM) and saved a checkpoint first exits with this code
+# (EX_TEMPFAIL): retryable, and the retry resumes from that checkpoint. Not a variable.
+STOPPED_TO_SAVE_EXIT_CODE = 75
+
 # Each name, and what to set instead of putting it in ``env``.
 CONTRACT_ENV: Mapping[str, str] = MappingProxyType(
     {

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
+
 _BLOCK = re.compile(
     r"time\s*:\s*(?P<time>\S+)\s*\n"
     r"\s*host\s*:\s*(?P<host>[^\n]*)\n"
@@ -51,8 +53,8 @@ class RankFailure:
 
     @property
     def collateral(self) -> bool:
-        if self.signal == "SIGTERM":
-            return True  # torchrun or teardown stopping a healthy rank after another failed
+        if self.signal == "SIGTERM" or self.exit_code == STOPPED_TO_SAVE_EXIT_CODE:
+            return True  # torchrun or teardown stopping a healthy rank (that may have saved first)
         return bool(self.message and _COLLATERAL.search(self.message))
 
     @property
@@ -64,6 +66,8 @@ class RankFailure:
         local = f", local rank {self.local_rank}" if self.local_rank is not None else ""
         if self.signal:
             how = f"was killed by signal {self.signal}"
+        elif self.exit_code == STOPPED_TO_SAVE_EXIT_CODE:
+            how = f"stopped to save a checkpoint (exit code {self.exit_code}): it was asked to stop"
         elif self.exit_code is not None:
             how = f"exited with code {self.exit_code}"
         else:

@@ -16,6 +16,8 @@ _LAZY = {
     "resume_step": "airflow_torchrun.worker.checkpoint",
     "resume_from": "airflow_torchrun.worker.checkpoint",
     "wait_for_checkpoint": "airflow_torchrun.worker.checkpoint",
+    "save_if_stopping": "airflow_torchrun.worker.checkpoint",
+    "stop_requested": "airflow_torchrun.worker.checkpoint",
     "ProgressLogger": "airflow_torchrun.worker.progress",
 }
 
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
         resume_from,
         resume_step,
         save_checkpoint,
+        save_if_stopping,
+        stop_requested,
         wait_for_checkpoint,
     )
     from airflow_torchrun.worker.progress import ProgressLogger
@@ -35,6 +39,8 @@ __all__ = [
     "resume_from",
     "resume_step",
     "save_checkpoint",
+    "save_if_stopping",
+    "stop_requested",
     "wait_for_checkpoint",
 ]
 
