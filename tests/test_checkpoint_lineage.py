@@ -444,3 +444,81 @@ def test_resume_outside_the_root_needs_the_operator_argument(run_dag: Any, saver
     assert allowed.xcom("train", key="resumed_from") == {"uri": f"{other}/step-00000010", "step": 10}
     final = allowed.xcom("train")["final_checkpoint"]
     assert final.endswith("/step-00000020") and not final.startswith(other)
+
+
+# -- AWS connections through the Amazon provider ---------------------------------------------------
+ROLE_ARN = "arn:aws:iam::123456789012:role/checkpoints"
+
+
+def _role_connection(moto: MotoS3) -> str:
+    """An AWS connection that assumes a role through STS (moto's server answers STS too)."""
+    return json.dumps(
+        {
+            "conn_type": "aws",
+            "login": s3_fixtures.ACCESS_KEY,
+            "password": s3_fixtures.SECRET_KEY,
+            "extra": {
+                "role_arn": ROLE_ARN,
+                "region_name": s3_fixtures.REGION,
+                "endpoint_url": moto.endpoint,
+                "service_config": {"sts": {"endpoint_url": moto.endpoint}},
+            },
+        }
+    )
+
+
+def test_an_aws_connection_with_role_arn_is_resolved_by_the_provider(
+    moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_torchrun.checkpoint import storage_options_from_aws_conn_id
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_ROLE", _role_connection(moto_s3))
+    options = storage_options_from_aws_conn_id("ckpt_role")
+    # The assumed role's temporary credentials, not the connection's own keys.
+    assert options["key"].startswith("ASIA") and options["key"] != s3_fixtures.ACCESS_KEY
+    assert options["token"] and options["secret"]
+    assert options["endpoint_url"] == moto_s3.endpoint
+    assert options["client_kwargs"] == {"region_name": s3_fixtures.REGION}
+    bucket = moto_s3.make_bucket()
+    CheckpointStore(f"s3://{bucket}/x", options).check_access()
+    with pytest.raises(StorageError, match="no such Airflow connection") as missing:
+        storage_options_from_aws_conn_id("no_such_connection_anywhere")
+    assert missing.value.transient is False
+
+
+KEY_PRINTER = textwrap.dedent(
+    """
+    import os, torch
+    from airflow_torchrun.worker import save_checkpoint
+    key, token = os.environ.get("AWS_ACCESS_KEY_ID", ""), os.environ.get("AWS_SESSION_TOKEN")
+    print("RANK KEY", key[:4], bool(token), flush=True)
+    save_checkpoint({"w": torch.ones(3)}, 1)
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_aws_connection_with_role_arn_works_end_to_end(
+    run_dag: Any, moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    bucket = moto_s3.make_bucket()
+    monkeypatch.setenv("AIRFLOW_CONN_CKPT_ROLE", _role_connection(moto_s3))
+    script = tmp_path / "key_printer.py"
+    script.write_text(KEY_PRINTER)
+    result = run_dag(
+        f"""
+        DistributedTrainingOperator(task_id="train", script={str(script)!r}, track=False,
+                                    checkpoint_uri="s3://{bucket}/ckpt", aws_conn_id="ckpt_role")
+        """
+    )
+    assert result.state == "success", result.log[-4000:]
+    assert "RANK KEY ASIA True" in result.log  # the ranks got the assumed role's session
+    xcom = result.xcom("train")
+    assert xcom["final_checkpoint"] == f"s3://{bucket}/ckpt/step-00000001"
+    assert s3_fixtures.SECRET_KEY not in json.dumps(xcom)
+    keys = [o["Key"] for o in moto_s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert "ckpt/step-00000001/COMMITTED" in keys and "ckpt/LINEAGE" in keys

@@ -23,7 +23,9 @@ This module imports neither Airflow nor torch: the operator uses it before any r
 (:meth:`CheckpointStore.check_access`, :func:`resolve_resume`) and the worker helpers in
 :mod:`airflow_torchrun.worker.checkpoint` use it inside the ranks.
 
-S3 settings come from the standard AWS variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+An operator's ``aws_conn_id`` is resolved through the Amazon provider's hooks
+(:func:`storage_options_from_aws_conn_id`). S3 settings otherwise come from the standard AWS
+variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``, ``AWS_ENDPOINT_URL``; any other credential source
 botocore knows works too), overridden by an explicit ``storage_options`` dict (s3fs's arguments).
 """
@@ -218,6 +220,70 @@ def storage_options_from_aws_connection(
         options["endpoint_url"] = endpoint
     if extra.get("region_name"):
         options["client_kwargs"] = {"region_name": extra["region_name"]}
+    return options
+
+
+def storage_options_from_aws_conn_id(conn_id: str) -> dict[str, Any]:
+    """s3fs options for the Airflow AWS connection ``conn_id``, resolved by the Amazon provider.
+
+    The provider's ``AwsBaseHook`` builds the session exactly as every Amazon operator does (access
+    keys, ``role_arn`` with assume-role, ``profile_name``, web identity, the worker's own chain),
+    and the session's current credentials become ``key``/``secret``/``token``; region and the S3
+    endpoint come from the connection (``service_config.s3.endpoint_url`` wins over
+    ``endpoint_url``). Temporary credentials (assume-role) are not refreshed in the ranks: they last
+    the role's session duration (an hour by default); for longer runs let the ranks assume the
+    role themselves (a profile or web identity they can read, IRSA on Kubernetes).
+
+    Imports Airflow and the provider when called (never at module import). Without the provider
+    installed, the connection's own fields are used (:func:`storage_options_from_aws_connection`).
+    Raises :class:`StorageError`: transient when STS or the endpoint did not answer properly.
+    """
+    try:
+        from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+    except ImportError:  # pragma: no cover - the provider is a dependency of the airflow extra
+        from airflow_torchrun.compat import BaseHook
+
+        connection = BaseHook.get_connection(conn_id)
+        return storage_options_from_aws_connection(connection.login, connection.password, connection.extra_dejson)
+    from airflow_torchrun.compat import BaseHook
+
+    try:
+        # The provider quietly falls back to the worker's own chain for an unknown id: a typo
+        # must not silently use other credentials.
+        BaseHook.get_connection(conn_id)
+    except Exception as exc:
+        if type(exc).__name__ != "AirflowNotFoundException":
+            raise
+        message = f"aws_conn_id={conn_id!r}: no such Airflow connection; create it or fix the name"
+        raise StorageError(message, transient=False) from exc
+    hook = AwsBaseHook(aws_conn_id=conn_id, client_type="s3")
+    try:
+        credentials = hook.get_credentials()
+    except AttributeError as exc:  # the session found no credentials at all
+        raise StorageError(
+            f"aws_conn_id={conn_id!r}: no AWS credentials found (not in the connection, nor in the worker's "
+            "environment or profile); give the connection keys, a role_arn or a profile",
+            transient=False,
+        ) from exc
+    except Exception as exc:
+        raise StorageError(
+            f"aws_conn_id={conn_id!r}: the Amazon provider could not get credentials from this connection "
+            f"({type(exc).__name__}: {exc}); check its keys, role_arn, profile or web identity settings",
+            transient=is_transient(exc),
+        ) from exc
+    options: dict[str, Any] = {}
+    if credentials.access_key:
+        options["key"] = credentials.access_key
+    if credentials.secret_key:
+        options["secret"] = credentials.secret_key
+    if credentials.token:
+        options["token"] = credentials.token
+    config = hook.conn_config
+    endpoint = config.get_service_endpoint_url("s3")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    if config.region_name:
+        options["client_kwargs"] = {"region_name": config.region_name}
     return options
 
 

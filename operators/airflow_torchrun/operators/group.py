@@ -246,16 +246,13 @@ class GroupOperator(BaseOperator):
 
     # -- storage access, shared by every operator ------------------------------------------------
     def storage_options_resolved(self) -> dict[str, Any]:
-        from airflow_torchrun.checkpoint import storage_options_from_aws_connection
+        from airflow_torchrun.checkpoint import storage_options_from_aws_conn_id
 
         options: dict[str, Any] = {}
         if self.aws_conn_id:
-            from airflow_torchrun.compat import BaseHook
-
-            connection = BaseHook.get_connection(self.aws_conn_id)
-            options = storage_options_from_aws_connection(
-                connection.login, connection.password, connection.extra_dejson
-            )
+            # The Amazon provider's hooks: keys, role_arn (assume-role), profiles, web identity.
+            conn_id = self.aws_conn_id
+            options = self.preflight("resolving the AWS connection", lambda: storage_options_from_aws_conn_id(conn_id))
         return {**options, **self.storage_options}
 
     def rank_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
