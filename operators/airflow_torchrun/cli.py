@@ -7,8 +7,7 @@ metadata database is needed; the task's templated fields are rendered with a sma
 (``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``try_number``, ``map_index``).
 
 The variables the operator resolves at launch with I/O (checkpoint location and resume point,
-MLflow run) come from the operator's ``contract_env_preview(context)`` when it has one, which
-must not do I/O; otherwise they are left out and a comment in the output says so.
+MLflow run) are shown as the operator's ``contract_env_preview(context)`` gives them, without I/O.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         help="print the Kubernetes objects a training task would create",
         description=(
             "Print, as multi-document YAML, the Indexed Job and headless Service that a "
-            "DistributedTrainingOperator task with backend='kubernetes' would create for the given run "
-            "and try. Nothing is sent to a cluster. Left out: the Service's ownerReference to the Job "
-            "(it needs the Job's uid) and, unless the operator offers contract_env_preview(), the "
-            "variables it resolves at launch (checkpoint, resume point, MLflow run). Review the output, "
-            "or check it with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
+            "task with backend='kubernetes' (DistributedTrainingOperator, EvaluateModelOperator, "
+            "@task.torchrun) would create for the given run and try. Nothing is sent to a cluster. Left "
+            "out: the Service's ownerReference to the Job (it needs the Job's uid); the variables resolved "
+            "at launch (resume point, MLflow run) are shown as placeholders. Review the output, or check "
+            "it with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
         ),
     )
     render.add_argument("--dag-file", required=True, type=Path, help="the Python file that defines the DAG")

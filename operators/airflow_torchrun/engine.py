@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from airflow_torchrun.backends.base import RelaunchKind
 from airflow_torchrun.compat import AirflowException
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from airflow_torchrun.spec import GroupSpec
     from airflow_torchrun.wiring import GroupIdentity
 
+T = TypeVar("T")
 PORT_RACE_RETRIES = 3
 XCOM_GROUP = "group"
 XCOM_LAUNCHES = "launches"
@@ -89,39 +90,55 @@ class RunEngine:
     log: Any  # the operator's logger
     push: Callable[[str, Any], None]  # XCom push of this try
     identity: Callable[[int], GroupIdentity]  # relaunch number -> identity
-    contract_env: Callable[[], Mapping[str, str]]
+    contract_env: Callable[[], Mapping[str, str]]  # resolved anew for every launch (its resume point)
     deadline: float | None = None  # epoch: the task's execution_timeout
     handle: GroupHandle | None = None
     killed: bool = False
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> tuple[GroupHandle, Launches]:
-        """Stop (local) or attach to (Kubernetes) what earlier tries left; else launch a new group."""
+        """Stop (local) or attach to (Kubernetes) what earlier tries left; else launch a new group.
+
+        The rank contract is resolved (and storage and tracking checked) once earlier tries are
+        stopped, so the resume point sees what their save on SIGTERM committed; before anything is
+        attached to or launched, so a bad store fails the task first.
+        """
         identity = self.identity(0)
-        for group_id in self.backend.stop_earlier_tries(identity):
+        for group_id in self._calm("stopping earlier tries", lambda: self.backend.stop_earlier_tries(identity)):
             self.log.warning("Stopped group %s, left running by an earlier try of this task", group_id)
-        found = self.backend.find_existing(identity, self.spec)
+        env = self.contract_env()
+        found = self._calm(
+            "looking for a group of an earlier try", lambda: self.backend.find_existing(identity, self.spec)
+        )
         if found is not None:
             self.handle = found
             self.push(XCOM_GROUP, found.to_dict())
             self.log.info("Attaching to group %s, started by an earlier try of this task", found.group_id)
             # An attached relaunch keeps counting against the preemption budget.
             return found, Launches(preemptions=found.relaunch)
-        return self.launch(0), Launches()
+        return self.launch(0, env), Launches()
 
-    def launch(self, relaunch: int) -> GroupHandle:
-        plan = self.backend.plan(self.spec, self.identity(relaunch), self.contract_env())
+    def launch(self, relaunch: int, env: Mapping[str, str] | None = None) -> GroupHandle:
+        plan = self.backend.plan(self.spec, self.identity(relaunch), self.contract_env() if env is None else env)
+        if self.killed:  # on_kill came while the contract was resolved: launch nothing
+            raise AirflowException(f"Group {plan.group_id} was not launched: the task was killed (on_kill)")
         # In deferrable mode this process exits while the group runs: the group must not follow it.
         # A launch that failed left nothing behind, so a transient failure (API 5xx) is tried again.
-        handle = retry_transient(
+        handle = self._calm(
+            f"launching group {plan.group_id}",
             lambda: self.backend.launch(plan, watch_caller=not self.settings.deferrable),
-            budget=self.settings.preflight_budget,
-            what=f"launching group {plan.group_id}",
-            log=self.log,
         )
         self.handle = handle
-        # Push now so that on error (or a dead worker) the group can still be found.
-        self.push(XCOM_GROUP, handle.to_dict())
+        try:
+            # Push now so that on error (or a dead worker) the group can still be found.
+            self.push(XCOM_GROUP, handle.to_dict())
+            self._announce(handle, plan.master_addr, plan.master_port)
+        except BaseException:
+            self.settle(handle)  # a group nobody watches must not run on
+            raise
+        return handle
+
+    def _announce(self, handle: GroupHandle, master_addr: str, master_port: int) -> None:
         self.log.info(
             "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s",
             handle.group_id,
@@ -129,12 +146,16 @@ class RunEngine:
             self.spec.num_nodes,
             self.spec.nproc_per_node,
             self.spec.world_size,
-            plan.master_addr,
-            plan.master_port,
+            master_addr,
+            master_port,
         )
         for path in self.backend.log_locations(handle):
             self.log.info("Group %s log: %s", handle.group_id, path)
-        return handle
+
+    def _calm(self, what: str, call: Callable[[], T]) -> T:
+        """A cluster or file-system call under the error policy: transient trouble is retried
+        within ``preflight_budget``; past it, or on a permanent error, it is raised."""
+        return retry_transient(call, budget=self.settings.preflight_budget, what=what, log=self.log)
 
     # -- run ------------------------------------------------------------------------------------
     def drive(
@@ -153,7 +174,7 @@ class RunEngine:
         while True:
             if verdict is None:
                 verdict = self.watch(handle, launches, defer)
-            self.settle(handle)
+            self.settle(handle, verdict)
             why, why_not = launches.decide(self.backend, handle, verdict, self.settings.max_preemptions)
             if why_not:
                 self.log.warning("Group %s: %s", handle.group_id, why_not)
@@ -187,7 +208,10 @@ class RunEngine:
             )
         except BaseException:
             # on_kill, Airflow's own execution_timeout, the worker told to stop: nothing may stay.
-            self.settle(handle)
+            try:
+                self.settle(handle)
+            except Exception as exc:  # the reason the watch ended is what the task reports
+                self.log.error("Group %s: tearing it down failed too: %s", handle.group_id, exc)
             raise
         if verdict is None:
             assert defer is not None  # watch_sync returns None only with ``until``
@@ -210,9 +234,18 @@ class RunEngine:
         if self.killed:
             raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
 
-    def settle(self, handle: GroupHandle) -> None:
-        """Teardown (on success it only confirms nothing is left), then the last log lines."""
-        self.backend.teardown(handle)
+    def settle(self, handle: GroupHandle, verdict: Verdict | None = None) -> None:
+        """Teardown (on success it only confirms nothing is left), then the last log lines.
+
+        Transient trouble is retried within ``preflight_budget``. After a success a teardown that
+        still fails is only warned about: the training is done, whatever is left has finished too.
+        """
+        try:
+            self._calm(f"tearing down group {handle.group_id}", lambda: self.backend.teardown(handle))
+        except Exception as exc:
+            if verdict is None or verdict.outcome is not Outcome.SUCCEEDED:
+                raise
+            self.log.warning("Group %s succeeded, but confirming its teardown failed: %s", handle.group_id, exc)
         self.flush_logs(handle)
 
     def flush_logs(self, handle: GroupHandle) -> None:

@@ -45,6 +45,7 @@ class GroupEvent:
     failed_node: int | None = None
     reason: str = ""
     nodes: tuple[NodeObservation, ...] = field(default=())
+    transient: bool = True  # for ERROR: whether a retry may see the group again
 
     @property
     def node_exit_codes(self) -> list[int | None]:
@@ -60,6 +61,7 @@ class GroupEvent:
             failed_node=verdict.failed_node,
             reason=verdict.reason,
             nodes=verdict.nodes,
+            transient=verdict.transient,
         )
 
     @classmethod
@@ -73,7 +75,7 @@ class GroupEvent:
 
     def verdict(self) -> Verdict:
         """The watch's verdict, as the operator's re-entry continues from it."""
-        return Verdict(self.status, self.reason, self.nodes, self.failed_node)
+        return Verdict(self.status, self.reason, self.nodes, self.failed_node, self.transient)
 
     def group_status(self) -> GroupStatus:
         """The group status the trigger saw; what ``Backend.explain`` takes for a failure."""
@@ -245,14 +247,28 @@ class GroupTrigger(BaseTrigger):
         while True:
             try:
                 nodes = await backend.observe_async(handle)
-                mark = await backend.progress_mark_async(handle) if spec.progress_timeout is not None else None
             except Exception as exc:
                 step = watch.failed(exc, time.time())
             else:
+                mark = None
+                if spec.progress_timeout is not None:
+                    try:
+                        mark = await backend.progress_mark_async(handle)
+                    except Exception as exc:  # no evidence of a hang: never a reason to give up
+                        self.log.warning("Group %s: could not tell its progress: %s", handle.group_id, exc)
                 step = watch.observed(nodes, mark, time.time())
             for note in step.notes:
                 self.log.log(note.level, "%s", note.message)
             if step.verdict is not None:
+                if step.verdict.outcome in (Outcome.TIMEOUT, Outcome.PROGRESS_TIMEOUT):
+                    # Decided: stop it now, not when a worker slot frees for the re-entry (which
+                    # may never come if the task is marked failed meanwhile). Idempotent.
+                    try:
+                        await backend.teardown_async(handle)
+                    except Exception as exc:
+                        self.log.warning(
+                            "Group %s: teardown failed, the re-entry tries again: %s", handle.group_id, exc
+                        )
                 return GroupEvent.from_verdict(handle, step.verdict)
             await asyncio.sleep(spec.poll_interval)
 

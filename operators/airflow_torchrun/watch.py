@@ -10,9 +10,9 @@ Decisions:
 - ``deadline`` (the task's ``execution_timeout``) passed while it still runs;
 - no progress for ``progress_timeout`` seconds (progress records, or log growth: whatever the
   backend's ``progress_mark`` reflects): the group looks hung;
-- looking at the group failed: a transient error (API 5xx, timeout, a file read at the wrong
-  moment) is tolerated until looks have failed for ``error_budget`` seconds in a row; a
-  permanent one (403, a malformed answer) gives up at once. Giving up never claims the group
+- looking at the group failed: a transient error (API 5xx, 429, a timeout, a connection reset)
+  is tolerated until looks have failed for ``error_budget`` seconds in a row; a permanent one
+  (403, a malformed answer or status file) gives up at once. Giving up never claims the group
   failed: the verdict says its state is unknown.
 """
 
@@ -68,6 +68,7 @@ class Verdict:
     reason: str = ""
     nodes: tuple[NodeObservation, ...] = ()
     failed_node: int | None = None
+    transient: bool = True  # for ERROR: whether a retry may see the group again
 
     def group_status(self) -> GroupStatus:
         """As a group status, for ``Backend.explain`` (outcomes other than the group's own are failures)."""
@@ -182,7 +183,7 @@ class Watch:
                 else f"looking at the group failed with a permanent error: {exc}"
             )
             return Step(
-                Verdict(Outcome.ERROR, f"{why}; the group's state is unknown", self._nodes),
+                Verdict(Outcome.ERROR, f"{why}; the group's state is unknown", self._nodes, transient=transient),
                 (Note(logging.ERROR, f"Group {self.group_id}: {why}"),),
             )
         notes: tuple[Note, ...] = ()
@@ -250,10 +251,15 @@ def watch_sync(
     while True:
         try:
             nodes = backend.observe(handle)
-            mark = backend.progress_mark(handle) if watch.config.progress_timeout is not None else None
         except Exception as exc:
             step = watch.failed(exc, clock())
         else:
+            mark = None
+            if watch.config.progress_timeout is not None:
+                try:
+                    mark = backend.progress_mark(handle)
+                except Exception as exc:  # no evidence of a hang: never a reason to give up on the group
+                    emit(Note(logging.WARNING, f"Group {handle.group_id}: could not tell its progress: {exc}"))
             step = watch.observed(nodes, mark, clock())
         # First: after_look raises when the task was killed meanwhile, and what this look saw then
         # (a deleted Job, stopped ranks) is the kill's doing, not worth a line of its own.

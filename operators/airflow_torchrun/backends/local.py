@@ -16,6 +16,7 @@ Everything a watcher needs is on disk, so another process (a trigger) can follow
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import socket
@@ -123,7 +124,11 @@ class LocalBackend(Backend):
             (group_dir / "group.json").write_text(json.dumps(handle.to_dict(), indent=2))
         except OSError as exc:
             self.teardown(handle)
-            raise GroupLaunchError(f"could not start group {plan.group_id} in {group_dir}: {exc}") from exc
+            # Out of processes, memory or file descriptors for a moment: a later launch may work.
+            busy = exc.errno in (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+            raise GroupLaunchError(
+                f"could not start group {plan.group_id} in {group_dir}: {exc}", transient=busy
+            ) from exc
         return handle
 
     # -- watching ---------------------------------------------------------------------------

@@ -130,6 +130,7 @@ class GroupOperator(BaseOperator):
         self.namespace = namespace
         self.kubernetes_conn_id = kubernetes_conn_id
         self._engine: RunEngine | None = None
+        self._killed = False
 
     # -- what a subclass adds -------------------------------------------------------------------
     def contract_env(self, context: Context) -> dict[str, str]:
@@ -144,8 +145,9 @@ class GroupOperator(BaseOperator):
         """The task's result once the group ended well (failures are raised before this)."""
         raise NotImplementedError
 
-    def on_group_end(self, context: Context, verdict: Verdict) -> None:
-        """Called once the group ended, well or not, before the task succeeds or fails."""
+    def on_group_end(self, context: Context, succeeded: bool) -> None:
+        """Called once the try's outcome is known (the group's and :meth:`finish`'s), before the task
+        succeeds or fails."""
 
     def checkpoint_settings(self) -> CheckpointSettings | None:
         return None
@@ -314,19 +316,12 @@ class GroupOperator(BaseOperator):
         start = started.timestamp() if started is not None else fallback
         return start + self.execution_timeout.total_seconds()
 
-    def _new_engine(
-        self, context: Context, spec: GroupSpec, backend: Backend, first_env: Mapping[str, str] | None = None
-    ) -> RunEngine:
-        """The engine of this try. Every launch after the first resolves the contract again (a
-        relaunch resumes from the checkpoint its predecessor committed)."""
+    def _new_engine(self, context: Context, spec: GroupSpec, backend: Backend) -> RunEngine:
+        """The engine of this try; it resolves the rank contract for every launch (a relaunch
+        resumes from the checkpoint its predecessor committed)."""
         from airflow_torchrun.engine import RunEngine
 
         ti = context["ti"]
-        pending = [dict(first_env)] if first_env is not None else []
-
-        def extra_env() -> Mapping[str, str]:
-            return pending.pop() if pending else self.contract_env(context)
-
         engine = RunEngine(
             backend=backend,
             spec=spec,
@@ -334,7 +329,8 @@ class GroupOperator(BaseOperator):
             log=self.log,
             push=lambda key, value: ti.xcom_push(key=key, value=value),
             identity=self._identity(context),
-            contract_env=extra_env,
+            contract_env=lambda: self.contract_env(context),
+            killed=self._killed,
         )
         self._engine = engine
         return engine
@@ -347,9 +343,7 @@ class GroupOperator(BaseOperator):
 
     def execute(self, context: Context) -> Any:
         spec = self._rendered_spec()
-        backend = self._make_backend()
-        # Before anything starts: storage, tracking and the resume point are checked here.
-        engine = self._new_engine(context, spec, backend, first_env=self.contract_env(context))
+        engine = self._new_engine(context, spec, self._make_backend())
         try:
             handle, launches = engine.start()
             engine.deadline = self._deadline(context, handle.launched_at)
@@ -365,15 +359,20 @@ class GroupOperator(BaseOperator):
         from airflow_torchrun.engine import XCOM_LAUNCHES, Launches
         from airflow_torchrun.triggers import GroupEvent
 
-        spec = self._rendered_spec()
         group_event = GroupEvent.from_payload(event)
         handle = group_event.handle
         backend = backend_from_handle(handle)
         self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
+        try:
+            spec = self._rendered_spec()  # the DAG or a runtime may have changed meanwhile
+        except BaseException:
+            backend.teardown(handle)  # whatever the trigger saw, nothing may run on unwatched
+            raise
         engine = self._new_engine(context, spec, backend)
         engine.handle = handle
         engine.deadline = self._deadline(context, handle.launched_at)
-        launches = Launches.from_dict(context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_LAUNCHES))
+        ti = context["ti"]
+        launches = Launches.from_dict(ti.xcom_pull(task_ids=self.task_id, key=XCOM_LAUNCHES, map_indexes=ti.map_index))
         try:
             handle, verdict = engine.drive(
                 handle,
@@ -403,14 +402,23 @@ class GroupOperator(BaseOperator):
 
     def _end(self, context: Context, engine: RunEngine, handle: GroupHandle, verdict: Verdict) -> Any:
         """Succeed with :meth:`finish`, or fail with the group's story (retryable or not)."""
-        self.on_group_end(context, verdict)
         if verdict.outcome is Outcome.SUCCEEDED:
-            return self.finish(context, handle, verdict)
+            try:
+                result = self.finish(context, handle, verdict)
+            except BaseException:
+                self.on_group_end(context, False)
+                raise
+            self.on_group_end(context, True)
+            return result
+        self.on_group_end(context, False)
         if verdict.outcome is Outcome.TIMEOUT:
             raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
         if verdict.outcome in (Outcome.ERROR, Outcome.PROGRESS_TIMEOUT):
             where = ", ".join(engine.backend.log_locations(handle))
-            raise AirflowException(f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}")
+            message = f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}"
+            if not verdict.transient:  # e.g. the cluster forbids looking at the group: a retry would too
+                raise AirflowFailException(f"{message}\n(A retry cannot fix this; not retrying.)")
+            raise AirflowException(message)
         report = engine.backend.explain(handle, verdict.group_status())
         self.log.error("%s", report.message)
         if not report.retryable:
@@ -418,6 +426,8 @@ class GroupOperator(BaseOperator):
         raise AirflowException(report.message)
 
     def on_kill(self) -> None:
-        """Task cleared, marked failed, or timed out in the UI: stop the whole group."""
+        """Task cleared, marked failed, or timed out in the UI: stop the whole group (or, before it
+        exists, launch none)."""
+        self._killed = True
         if self._engine is not None:
             self._engine.kill()

@@ -272,18 +272,19 @@ class DistributedTrainingOperator(GroupOperator):
         return rank_env(run_id, tracking_uri)
 
     # -- the end ------------------------------------------------------------------------------
-    def on_group_end(self, context: Context, verdict: Verdict) -> None:
+    def on_group_end(self, context: Context, succeeded: bool) -> None:
         """Close the MLflow run: best effort, a tracking outage never fails a finished group."""
         from airflow_torchrun.tracking import DEFAULT_FINISH_BUDGET, finish_run
 
         run_id = self._mlflow_run_id
+        ti = context["ti"]
         if run_id is None and self.track:  # re-entry after deferral: a new process
-            run_id = context["ti"].xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID)
+            run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
         if run_id:
             self._mlflow_run_id = run_id
             finish_run(
                 run_id,
-                succeeded=verdict.outcome.ok,
+                succeeded=succeeded,
                 tracking_uri=self.mlflow_tracking_uri,
                 try_number=context["ti"].try_number,
                 budget=min(DEFAULT_FINISH_BUDGET, float(self.preflight_budget)),
