@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -141,3 +142,18 @@ def test_a_storage_outage_while_training_is_ridden_out_at_the_end(run_dag, tiny_
     assert result.state == "success", result.log[-4000:]
     assert "reading the final checkpoint failed (transient" in result.log
     assert result.xcom("train")["final_checkpoint"] is None  # the tiny script saves none
+
+
+def test_a_kill_while_waiting_for_storage_launches_nothing(run_dag, tiny_script, restartable_s3, monkeypatch):
+    bucket = restartable_s3.s3.make_bucket()
+    _connection(monkeypatch, restartable_s3)
+    restartable_s3.stop()
+    restartable_s3.start_after(14.0)
+    # What Airflow's task runner receives when the task is marked failed in the UI, mid-preflight.
+    killer = threading.Timer(8.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    killer.start()
+    result = run_dag(_task(tiny_script, bucket, preflight_budget=60, retries=0))
+    killer.join()
+    assert result.state == "failed"
+    assert "was not launched: the task was killed (on_kill)" in result.log, result.log[-3000:]
+    assert result.xcom("train", key="group") is None
