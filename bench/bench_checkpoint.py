@@ -1,10 +1,11 @@
-"""Checkpoint benchmark: save/load throughput against a raw copy of the same bytes, and the
-training-time overhead of checkpointing in the example trainer.
+"""Checkpoint benchmark: save/load throughput against a raw copy of the same bytes (ours with
+the checksums written and verified), the cost of the save on SIGTERM, and the training-time
+overhead of checkpointing in the example trainer.
 
-Run standalone (about 2 minutes on 2 cores)::
+Run standalone (about 3 minutes on 2 cores)::
 
     .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--skip-s3] [--skip-train]
-        [--json rows.json]
+        [--stop-sizes-mb 100,1000] [--json rows.json]
 
 S3 is moto's server on localhost (started here, in this process), reached through s3fs over HTTP:
 compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
@@ -138,6 +139,59 @@ def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int)
     return rows
 
 
+STOP_CHILD = """
+import json, os, signal, sys, time
+import torch
+from airflow_torchrun.worker import save_if_stopping
+count = max(1, round(int(sys.argv[2]) / 4))
+state = {"model": {f"l{i}": torch.randn(1024, 1024) for i in range(count)}}
+save_if_stopping(state, 0)  # the first call installs the handler; no signal yet
+signalled = time.time()
+os.kill(os.getpid(), signal.SIGTERM)  # what a teardown, eviction or torchrun's agent sends
+print(json.dumps({"signalled": signalled}), flush=True)
+save_if_stopping(state, 1)  # the next step boundary: saves step 1 and exits 75
+"""
+
+
+@dataclass
+class StopRow:
+    size_mb: float
+    seconds: float  # signal -> committed marker, median
+
+
+def bench_stop(root: Path, sizes_mb: list[int], repeat: int) -> list[StopRow]:
+    """Seconds from SIGTERM to the committed checkpoint of the next step boundary (one process)."""
+    import json
+
+    from airflow_torchrun.checkpoint import CheckpointStore
+    from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
+
+    rows = []
+    for size in sizes_mb:
+        times = []
+        for _ in range(repeat):
+            uri = f"file://{root}/stop-{uuid.uuid4().hex[:8]}"
+            env = {**os.environ, "TRAIN_CHECKPOINT_URI": uri, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(
+                [sys.executable, "-c", STOP_CHILD, uri, str(size)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
+            if proc.returncode != STOPPED_TO_SAVE_EXIT_CODE:
+                raise RuntimeError(f"the stop child exited {proc.returncode}: {proc.stderr[-2000:]}")
+            signalled = json.loads(proc.stdout.strip().splitlines()[-1])["signalled"]
+            store = CheckpointStore(uri)
+            marker = store.read_marker(1)
+            times.append(float(marker["committed_at"]) - signalled)
+            size_mb = marker["total_bytes"] / 1e6
+            shutil.rmtree(store.location.path, ignore_errors=True)
+        rows.append(StopRow(size_mb, statistics.median(times)))
+    return rows
+
+
 def start_moto() -> tuple[object, str]:
     from moto.server import ThreadedMotoServer
 
@@ -191,7 +245,9 @@ class TrainRow:
         return [self.mode, f"{self.train_s:.2f}", f"{overhead:+.1f}%", f"{self.blocked_s:.3f}", f"{share:.1f}%"]
 
 
-def report_rows(io_rows: list[Row], train_rows: list[TrainRow]) -> list[dict[str, object]]:
+def report_rows(
+    io_rows: list[Row], train_rows: list[TrainRow], stop_rows: list[StopRow] | None = None
+) -> list[dict[str, object]]:
     rows = [
         row(
             f"checkpoint {r.op}, {r.backend}, {r.size_mb:.0f} MB",
@@ -206,6 +262,10 @@ def report_rows(io_rows: list[Row], train_rows: list[TrainRow]) -> list[dict[str
         row(f"example trainer's training time, {t.mode}", t.train_s, "no checkpointing, same run", t.baseline_s, "s")
         for t in train_rows
         if t.mode != "no checkpointing"
+    ]
+    rows += [
+        row(f"save on SIGTERM, file, {r.size_mb:.0f} MB: signal to committed", r.seconds, "none", None, "s")
+        for r in stop_rows or []
     ]
     return rows
 
@@ -244,6 +304,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30, help="trainer epochs for the overhead runs (default 30)")
     parser.add_argument("--skip-s3", action="store_true", help="no S3 (moto) measurements")
     parser.add_argument("--skip-train", action="store_true", help="no training-overhead measurements")
+    parser.add_argument(
+        "--stop-sizes-mb",
+        default=None,
+        help="state sizes for the save-on-SIGTERM cost, e.g. 100,1000 (the default; --size-mb below 100: that size)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -265,8 +330,16 @@ def main() -> None:
         print(f"Checkpoint I/O, single process, median of {args.repeat} (MB = 1e6 bytes)")
         header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw"]
         print(table(header, [r.cells() for r in rows]))
-        print("ours = save_checkpoint/load_checkpoint (torch.save/load + RNG file + commit marker);")
-        print("raw = the same bytes written (fsync + rename on disk) or read, no serialisation.")
+        print("ours = save_checkpoint/load_checkpoint (torch.save/load, CRC-32 of every byte written and")
+        print("verified on load, commit marker); raw = the same bytes written (fsync + rename on disk) or read.")
+        stop_rows: list[StopRow] = []
+        spec = args.stop_sizes_mb if args.stop_sizes_mb is not None else ("100,1000" if args.size_mb >= 100 else "")
+        sizes = [int(x) for x in spec.split(",") if x.strip()] or [args.size_mb]
+        if sizes:
+            stop_rows = bench_stop(workdir, sizes, args.repeat)
+            print()
+            print(f"Save on SIGTERM (save_if_stopping), file://, one process, median of {args.repeat}")
+            print(table(["MB", "signal -> committed s"], [[f"{r.size_mb:.0f}", f"{r.seconds:.2f}"] for r in stop_rows]))
         train_rows: list[TrainRow] = []
         if not args.skip_train:
             del state
@@ -280,7 +353,7 @@ def main() -> None:
             print(table(header, [t.cells() for t in train_rows]))
             print("train s = the training loop (periodic saves included, the final save not);")
             print("blocked = time the training loop spent inside save_checkpoint.")
-        write_json(args.json, report_rows(rows, train_rows))
+        write_json(args.json, report_rows(rows, train_rows, stop_rows))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -367,23 +367,42 @@ def _cpu_snapshot(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+_CRC_CHUNK = 8 << 20
+
+
 def _write_torch(store: CheckpointStore, path: str, obj: Any) -> tuple[int, str]:
     """torch.save ``obj`` to ``path`` (a temp name then an atomic rename locally, one object on S3);
     return its size and checksum, computed as the bytes go out (no second read)."""
     if store.location.scheme == "file":
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as fp:
-            writer = _ChecksumWriter(fp)
-            torch.save(obj, writer)  # type: ignore[arg-type]
+        with open(tmp, "w+b") as fp:  # readable too: the checksum is read back through it
+            torch.save(obj, fp)
             fp.flush()
+            # The checksum is read back from the page cache while fsync waits for the disk.
+            found: list[tuple[int, str]] = []
+            thread = threading.Thread(target=lambda: found.append(_crc_of_fd(fp.fileno())), daemon=True)
+            thread.start()
             os.fsync(fp.fileno())
+            thread.join()
+        if not found:
+            raise StorageError(f"could not checksum {tmp} after writing it")
         os.replace(tmp, path)
+        return found[0]
     else:
         with store.fs.open(path, "wb") as fp:
             writer = _ChecksumWriter(fp)
             torch.save(obj, writer)  # type: ignore[arg-type]
     return writer.size, writer.checksum
+
+
+def _crc_of_fd(fd: int) -> tuple[int, str]:
+    """Size and checksum of an open file, read with pread (the descriptor's offset is untouched)."""
+    value, offset = 0, 0
+    while chunk := os.pread(fd, _CRC_CHUNK, offset):
+        value = crc32_of(chunk, value)
+        offset += len(chunk)
+    return offset, checksum_text(value)
 
 
 def _read_verified(store: CheckpointStore, path: str, size: int | None, checksum: str | None) -> bytes:
@@ -410,6 +429,43 @@ def _read_verified(store: CheckpointStore, path: str, size: int | None, checksum
 
 class _Damaged(Exception):
     """A committed step whose files do not match its marker."""
+
+
+def _load_verified_local(
+    path: str, size: int | None, checksum: str | None, *, map_location: Any, weights_only: bool
+) -> tuple[Any, str | None]:
+    """torch.load a local file while a second thread checksums it (zlib releases the GIL), both
+    through one open descriptor, so the bytes checked are the bytes loaded. Returns (payload,
+    None), or (None, what is wrong): a damaged file's payload is never returned."""
+    name = path.rsplit("/", 1)[-1]
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, f"{name} is missing"
+    try:
+        actual_size = os.fstat(fd).st_size
+        if size is not None and actual_size != size:
+            return None, f"{name} has {actual_size} bytes, the marker says {size}"
+        found: list[str] = []
+        thread = threading.Thread(target=lambda: found.append(_crc_of_fd(fd)[1]), daemon=True)
+        if checksum is not None:
+            thread.start()
+        same_file = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else path
+        payload: Any = None
+        error: BaseException | None = None
+        try:
+            payload = torch.load(same_file, map_location=map_location, weights_only=weights_only)
+        except Exception as exc:  # a damaged file may not even parse: the checksum says which
+            error = exc
+        if checksum is not None:
+            thread.join()
+            if found[0] != checksum:
+                return None, f"{name} does not match its checksum ({found[0]}, the marker says {checksum})"
+        if error is not None:
+            raise error
+        return payload, None
+    finally:
+        os.close(fd)
 
 
 def _read_torch(
@@ -839,15 +895,20 @@ def _load_one(
         name = str(marker.get("state_file") or STATE_FILE)
         size, checksum = expected.get(name, (None, None))
         problem = None if name in expected else f"{name} is not in the commit marker"
-        data = b""
-        if problem is None:
+        payload: Any = None
+        if problem is None and store.location.scheme == "file":
+            payload, problem = _load_verified_local(
+                f"{step_path}/{name}", size, checksum, map_location=map_location, weights_only=weights_only
+            )
+        elif problem is None:
             try:
                 data = _read_verified(store, f"{step_path}/{name}", size, checksum)
             except _Damaged as exc:
                 problem = str(exc)
+            else:
+                payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
         if not _agree(problem is None):
             raise _Damaged(problem or "another rank found it damaged")
-        payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
         if not isinstance(payload, dict) or "state" not in payload:
             raise StorageError(f"{ref.uri}/{name} was not written by save_checkpoint")
         state = payload["state"]
