@@ -28,9 +28,11 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
-# Long enough (about 1000 steps) to signal it in the middle; no periodic checkpoint at all, so the
-# only step a resume can start from is the one saved on SIGTERM.
-ARGS = [str(TRAINER), "--epochs", "40", "--hidden", "256", "--checkpoint-every", "0", "--log-every", "1"]
+# Long enough (about 2500 steps, 15-20 s here) to signal it well before the end even when finding
+# the group's processes takes seconds on a loaded machine (with 1000 steps a CI run once finished
+# training before the signal landed); no periodic checkpoint at all, so the only step a resume can
+# start from is the one saved on SIGTERM.
+ARGS = [str(TRAINER), "--epochs", "100", "--hidden", "256", "--checkpoint-every", "0", "--log-every", "1"]
 FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
 PROGRESS = re.compile(r"rank0 train INFO step (\d+)/(\d+)")
 GRACE_S = 10.0  # teardown_grace's default

@@ -272,16 +272,19 @@ class DistributedTrainingOperator(GroupOperator):
         return rank_env(run_id, tracking_uri)
 
     # -- the end ------------------------------------------------------------------------------
+    def _run_id(self, context: Context) -> str | None:
+        """This try's MLflow run: set by contract_env, or (re-entry after deferral, a new process) its XCom."""
+        if self._mlflow_run_id is None and self.track:
+            ti = context["ti"]
+            self._mlflow_run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
+        return self._mlflow_run_id
+
     def on_group_end(self, context: Context, succeeded: bool) -> None:
         """Close the MLflow run: best effort, a tracking outage never fails a finished group."""
         from airflow_torchrun.tracking import DEFAULT_FINISH_BUDGET, finish_run
 
-        run_id = self._mlflow_run_id
-        ti = context["ti"]
-        if run_id is None and self.track:  # re-entry after deferral: a new process
-            run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
+        run_id = self._run_id(context)
         if run_id:
-            self._mlflow_run_id = run_id
             finish_run(
                 run_id,
                 succeeded=succeeded,
@@ -307,7 +310,7 @@ class DistributedTrainingOperator(GroupOperator):
         return {
             "checkpoint_uri": self.checkpoint_uri,
             "final_checkpoint": ref.uri if ref else None,
-            "mlflow_run_id": self._mlflow_run_id,
+            "mlflow_run_id": self._run_id(context),
             "group_id": handle.group_id,
             "backend": handle.backend,
             "world_size": spec.world_size,
