@@ -142,8 +142,9 @@ class GroupOperator(BaseOperator):
         return {}
 
     def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> Any:
-        """The task's result once the group ended well (failures are raised before this)."""
-        raise NotImplementedError
+        """The task's result once the group ended well (failures are raised before this); by
+        default the group's id and its nodes' exit codes."""
+        return {"group_id": handle.group_id, "node_exit_codes": [n.exit_code for n in verdict.nodes]}
 
     def on_group_end(self, context: Context, succeeded: bool) -> None:
         """Called once the try's outcome is known (the group's and :meth:`finish`'s), before the task
