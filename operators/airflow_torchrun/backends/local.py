@@ -144,14 +144,19 @@ class LocalBackend(Backend):
         exit_info = _read_json(node_dir / "exit.json")
         if exit_info is not None:
             code = int(exit_info["returncode"])
+            stopped_by = exit_info.get("stopped_by")
+            # Stopped while it ran (a teardown, a SIGTERM to the group): not a success, whatever the
+            # agent's exit code (torchrun's agent was seen exiting 0 after its workers were told to stop).
+            done = code == 0 and not stopped_by
             return NodeObservation(
                 node_rank=node_rank,
-                phase=NodePhase.SUCCEEDED if code == 0 else NodePhase.FAILED,
+                phase=NodePhase.SUCCEEDED if done else NodePhase.FAILED,
                 exit_code=code,
                 signal=exit_info.get("signal"),
                 started_at=exit_info.get("started_at"),
                 finished_at=exit_info.get("finished_at"),
-                stopped_by=exit_info.get("stopped_by"),
+                reason=None if done or code != 0 else f"stopped ({stopped_by}) before it finished",
+                stopped_by=stopped_by,
             )
         sup = _read_json(node_dir / "supervisor.json")
         if sup is None:
