@@ -459,6 +459,8 @@ def _role_connection(moto: MotoS3) -> str:
             "password": s3_fixtures.SECRET_KEY,
             "extra": {
                 "role_arn": ROLE_ARN,
+                # The shortest session STS grants: the ranks' refresh shows within the test.
+                "assume_role_kwargs": {"DurationSeconds": 900},
                 "region_name": s3_fixtures.REGION,
                 "endpoint_url": moto.endpoint,
                 "service_config": {"sts": {"endpoint_url": moto.endpoint}},
@@ -490,10 +492,16 @@ def test_an_aws_connection_with_role_arn_is_resolved_by_the_provider(
 
 KEY_PRINTER = textwrap.dedent(
     """
-    import os, torch
+    import os, stat, boto3, torch
     from airflow_torchrun.worker import save_checkpoint
-    key, token = os.environ.get("AWS_ACCESS_KEY_ID", ""), os.environ.get("AWS_SESSION_TOKEN")
-    print("RANK KEY", key[:4], bool(token), flush=True)
+    print("RANK ENV KEY", repr(os.environ.get("AWS_ACCESS_KEY_ID")), flush=True)
+    mode = stat.S_IMODE(os.stat(os.environ["AWS_CONFIG_FILE"]).st_mode)
+    credentials = boto3.Session().get_credentials()
+    first = credentials.get_frozen_credentials().access_key
+    print("RANK CREDS", credentials.method, first[:4], oct(mode), flush=True)
+    # A 900 s session is inside botocore's refresh window at once: it assumes the role again itself.
+    second = credentials.get_frozen_credentials().access_key
+    print("RANK REFRESHED", second != first, second[:4], flush=True)
     save_checkpoint({"w": torch.ones(3)}, 1)
     """
 )
@@ -516,9 +524,51 @@ def test_an_aws_connection_with_role_arn_works_end_to_end(
         """
     )
     assert result.state == "success", result.log[-4000:]
-    assert "RANK KEY ASIA True" in result.log  # the ranks got the assumed role's session
+    # The ranks assume the role themselves (a private profile, no keys in their environment), and
+    # their session refreshes when it nears its expiry.
+    assert "RANK ENV KEY ''" in result.log
+    assert "RANK CREDS assume-role ASIA 0o600" in result.log
+    assert "RANK REFRESHED True ASIA" in result.log
+    assert "the ranks assume arn:aws:iam::" in result.log
+    assert s3_fixtures.SECRET_KEY not in result.log
+    profiles = list((Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"]) / "credentials").glob("*.ini"))
+    assert profiles and all(p.stat().st_mode & 0o077 == 0 for p in profiles)
     xcom = result.xcom("train")
     assert xcom["final_checkpoint"] == f"s3://{bucket}/ckpt/step-00000001"
     assert s3_fixtures.SECRET_KEY not in json.dumps(xcom)
     keys = [o["Key"] for o in moto_s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert "ckpt/step-00000001/COMMITTED" in keys and "ckpt/LINEAGE" in keys
+
+
+def test_a_role_the_ranks_cannot_assume_themselves_says_why() -> None:
+    """Only a plain assume_role with the connection's own source keys becomes a rank profile."""
+    from types import SimpleNamespace
+
+    from airflow_torchrun.aws import rank_role
+
+    def wrapper(**fields: Any) -> SimpleNamespace:
+        base = {
+            "conn_id": "c",
+            "role_arn": ROLE_ARN,
+            "assume_role_method": None,
+            "assume_role_kwargs": {},
+            "aws_access_key_id": "AKIDEXAMPLE",
+            "aws_secret_access_key": "s3cr3t",
+            "aws_session_token": None,
+            "region_name": "eu-west-1",
+        }
+        return SimpleNamespace(**{**base, **fields}, get_service_endpoint_url=lambda *_a, **_k: None)
+
+    role, why = rank_role(wrapper(assume_role_kwargs={"ExternalId": "x1", "DurationSeconds": 3600}))
+    assert role is not None and why is None
+    assert role.sts_endpoint == "https://sts.eu-west-1.amazonaws.com"
+    text = role.config_text()
+    assert "external_id = x1" in text and "duration_seconds = 3600" in text and "s3cr3t" in text
+    assert rank_role(wrapper(role_arn=None)) == (None, None)
+    for fields, reason in (
+        ({"assume_role_method": "assume_role_with_web_identity"}, "assume_role_method"),
+        ({"aws_access_key_id": None}, "worker's own chain"),
+        ({"assume_role_kwargs": {"Policy": "{}"}}, "Policy"),
+    ):
+        role, why = rank_role(wrapper(**fields))
+        assert role is None and why and reason in why, (fields, why)

@@ -230,9 +230,8 @@ def storage_options_from_aws_conn_id(conn_id: str) -> dict[str, Any]:
     keys, ``role_arn`` with assume-role, ``profile_name``, web identity, the worker's own chain),
     and the session's current credentials become ``key``/``secret``/``token``; region and the S3
     endpoint come from the connection (``service_config.s3.endpoint_url`` wins over
-    ``endpoint_url``). Temporary credentials (assume-role) are not refreshed in the ranks: they last
-    the role's session duration (an hour by default); for longer runs let the ranks assume the
-    role themselves (a profile or web identity they can read, IRSA on Kubernetes).
+    ``endpoint_url``). These are what the operator itself uses; for the ranks of a ``role_arn``
+    connection see :mod:`airflow_torchrun.aws` (they assume the role themselves, and refresh it).
 
     Imports Airflow and the provider when called (never at module import). Without the provider
     installed, the connection's own fields are used (:func:`storage_options_from_aws_connection`).

@@ -265,7 +265,7 @@ class GroupOperator(BaseOperator):
         from airflow_torchrun.checkpoint import storage_env
 
         if self.backend != "kubernetes":
-            return storage_env(options)
+            return self._local_storage_env(options)
         public = {k: v for k, v in options.items() if k not in _SECRET_STORAGE_OPTIONS}
         if len(public) != len(options):
             self.log.warning(
@@ -274,6 +274,37 @@ class GroupOperator(BaseOperator):
                 self.aws_conn_id,
             )
         return storage_env(public)
+
+    def _local_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
+        """The connection's credentials in the ranks' environment; with ``role_arn``, a private AWS
+        profile instead, so that the ranks assume the role themselves and their session refreshes."""
+        from airflow_torchrun.aws import rank_role_for
+        from airflow_torchrun.checkpoint import storage_env
+        from airflow_torchrun.naming import short_hash
+
+        if not self.aws_conn_id:
+            return storage_env(options)
+        role, why_not = rank_role_for(self.aws_conn_id)
+        if role is None:
+            if why_not:
+                self.log.warning(
+                    "aws_conn_id=%s: the ranks get the role's temporary session, which they cannot refresh (%s); "
+                    "a run longer than the role's session duration loses access to storage",
+                    self.aws_conn_id,
+                    why_not,
+                )
+            return storage_env(options)
+        env = storage_env({k: v for k, v in options.items() if k not in _SECRET_STORAGE_OPTIONS})
+        path = state_dir() / "credentials" / f"{short_hash(role.config_text())}.ini"
+        env.update(role.write(path))
+        self.log.info(
+            "aws_conn_id=%s: the ranks assume %s themselves (AWS profile %s in a file only its owner can read), "
+            "so their credentials refresh however long the run",
+            self.aws_conn_id,
+            role.role_arn,
+            env["AWS_PROFILE"],
+        )
+        return env
 
     def preflight(self, what: str, call: Callable[[], T]) -> T:
         """One call to storage or tracking under the error policy: transient trouble is retried within
