@@ -146,13 +146,6 @@ def _train_task(**kwargs: object) -> str:
     """
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "issue 10, open: in 2 of 2 full-suite CI rehearsals the operator's teardown reached the agents "
-        "(SignalException) but the ranks exited 0 without saving; alone it passes. Under investigation"
-    ),
-)
 def test_a_group_torn_down_mid_run_saves_and_the_retry_resumes_bit_identical(run_dag: object) -> None:
     """The operator's own teardown (stop_group: SIGTERM to every process, SIGKILL after the grace)
     at a random step: the ranks save the next step boundary, the retry resumes from it."""

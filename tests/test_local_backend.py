@@ -149,3 +149,52 @@ def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tin
     handle2 = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
     backend.teardown(handle2)
     assert len(list((backend.state_dir / "groups").glob(f"{handle.group_id}*"))) == 2
+
+
+SLOW_TO_STOP = textwrap.dedent(
+    """
+    import signal, sys, time
+    def stop(*_):
+        time.sleep(0.5)  # like an agent waiting for its workers to save
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_stopped_agent_keeps_its_exit_code_in_exit_json(tmp_path):
+    """The supervisor reaps orphans while it stops its node; it must not swallow the agent's own
+    status (Popen then reports 0: a CI run saw a torn-down group reported as succeeded)."""
+    from airflow_torchrun.wiring import GROUP_ID_VAR, NODE_RANK_VAR
+
+    script = tmp_path / "agent.py"
+    script.write_text(SLOW_TO_STOP)
+    node_dir = tmp_path / "node-0"
+    node_dir.mkdir()
+    env = {**os.environ, GROUP_ID_VAR: f"reap-{os.getpid()}", NODE_RANK_VAR: "0"}
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "airflow_torchrun.backends.local_supervisor",
+            f"--node-dir={node_dir}",
+            "--grace=10",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        env=env,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while b"ready" not in (node_dir / "node.log").read_bytes() if (node_dir / "node.log").exists() else True:
+        assert time.monotonic() < deadline, "the agent never started"
+        time.sleep(0.05)
+    supervisor.send_signal(signal.SIGTERM)
+    assert supervisor.wait(timeout=60) == 1  # the node did not succeed
+    outcome = json.loads((node_dir / "exit.json").read_text())
+    assert outcome["returncode"] == 3, outcome
+    assert outcome["stopped_by"] == "SIGTERM"

@@ -146,7 +146,7 @@ class LocalBackend(Backend):
             code = int(exit_info["returncode"])
             stopped_by = exit_info.get("stopped_by")
             # Stopped while it ran (a teardown, a SIGTERM to the group): not a success, whatever the
-            # agent's exit code (torchrun's agent was seen exiting 0 after its workers were told to stop).
+            # agent's exit code (a stopped group must never pass for a finished one).
             done = code == 0 and not stopped_by
             return NodeObservation(
                 node_rank=node_rank,

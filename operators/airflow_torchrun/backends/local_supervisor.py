@@ -41,14 +41,24 @@ def _become_subreaper() -> None:
         pass  # not Linux: stragglers are still found by their marker
 
 
-def _reap_children() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+class _Reaper:
+    """Reaps the node's dead descendants (orphans re-parented to this subreaper) without losing the
+    agent's own status: ``waitpid(-1)`` may collect the agent too, and ``Popen.wait()`` would then
+    report 0 for it (a torn-down node recorded as a success)."""
+
+    def __init__(self, agent: subprocess.Popen[bytes] | None = None) -> None:
+        self.agent = agent
+
+    def __call__(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.agent is not None and pid == self.agent.pid and self.agent.returncode is None:
+                self.agent.returncode = os.waitstatus_to_exitcode(status)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with open(node_dir / "node.log", "ab", buffering=0) as log:
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    reap = _Reaper(agent)
     write_json(
         node_dir / "supervisor.json",
         {"pid": os.getpid(), "agent_pid": agent.pid, "started_at": started, "command": command},
@@ -89,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         if stop_reason:
             # torchrun forwards SIGTERM to its workers; stop_group also reaches the ones it
             # cannot (other sessions, orphans) and escalates to SIGKILL after the grace period.
-            stop_group(group_id, node_rank=node_rank, grace=args.grace, reap=_reap_children)
+            stop_group(group_id, node_rank=node_rank, grace=args.grace, reap=reap)
         try:
             returncode = agent.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
             continue
     # The agent is gone; its workers normally went with it. Make sure, then record the outcome.
-    leftovers = stop_group(group_id, node_rank=node_rank, grace=min(args.grace, 5.0), reap=_reap_children)
-    _reap_children()
+    leftovers = stop_group(group_id, node_rank=node_rank, grace=min(args.grace, 5.0), reap=reap)
+    reap()
     write_json(
         node_dir / "exit.json",
         {
