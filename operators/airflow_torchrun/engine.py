@@ -9,13 +9,15 @@ whether a group that ended badly is relaunched within the try (:class:`Launches`
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from airflow_torchrun.backends.base import RelaunchKind
+from airflow_torchrun.backends.base import FailureReport, Relaunch, RelaunchKind
 from airflow_torchrun.compat import AirflowException
+from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
 from airflow_torchrun.errors import retry_transient
 from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
 
@@ -37,47 +39,129 @@ class Launches:
     """Relaunches within one try, each kind with its own budget; they never spend Airflow's retries.
 
     A lost rendezvous-port race (local, up to 3) and a preempted or evicted group (Kubernetes, up
-    to ``max_preemptions``, like Ray's ``max_failures``) are not the script's fault. Everything
-    else goes to Airflow's retries.
+    to ``max_preemptions``) are not the script's fault. A retryable failure of the script (a rank
+    killed, a retryable exit code, a hang) is restarted up to ``max_restarts`` (Ray's
+    ``max_failures``, JobSet's ``maxRestarts``). Everything else goes to Airflow's retries.
+    ``history`` has one entry per relaunch: the group it replaced, the kind and why.
     """
 
     port_races: int = 0
     preemptions: int = 0
+    restarts: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
-        return self.port_races + self.preemptions
+        return self.port_races + self.preemptions + self.restarts
 
-    def to_dict(self) -> dict[str, int]:
-        return {"port_races": self.port_races, "preemptions": self.preemptions}
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "port_races": self.port_races,
+            "preemptions": self.preemptions,
+            "restarts": self.restarts,
+            "history": list(self.history),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> Launches:
         data = data or {}
-        return cls(port_races=int(data.get("port_races", 0)), preemptions=int(data.get("preemptions", 0)))
+        return cls(
+            port_races=int(data.get("port_races", 0)),
+            preemptions=int(data.get("preemptions", 0)),
+            restarts=int(data.get("restarts", 0)),
+            history=[dict(h) for h in data.get("history") or []],
+        )
 
     def decide(
-        self, backend: Backend, handle: GroupHandle, verdict: Verdict, max_preemptions: int
+        self,
+        group_id: str,
+        relaunch: Relaunch | None,
+        verdict: Verdict,
+        settings: RunSettings,
+        failure: Callable[[], tuple[str, str | None]],
     ) -> tuple[str | None, str | None]:
-        """``(why relaunch, None)``, or ``(None, why not)`` / ``(None, None)`` when the try ends here."""
-        if verdict.outcome is not Outcome.FAILED:
-            return None, None
-        relaunch = backend.relaunch_reason(handle, verdict.group_status())
-        if relaunch is None:
-            return None, None
-        if relaunch.kind is RelaunchKind.PORT_RACE:
+        """``(why relaunch, None)``, or ``(None, why not)`` / ``(None, None)`` when the try ends here.
+
+        ``relaunch``: the backend's reason to relaunch whatever the budgets of restarts (a port
+        race, a preemption); ``failure()``: what failed (the root cause's headline) and why it
+        cannot be retried at all (None: it can). A relaunch is counted and recorded in ``history``.
+        """
+        why, why_not, kind = self._decide(relaunch, verdict, settings, failure)
+        if why is not None:
+            self.history.append({"group_id": group_id, "kind": kind, "why": why, "at": time.time()})
+        return why, why_not
+
+    def _decide(
+        self,
+        relaunch: Relaunch | None,
+        verdict: Verdict,
+        settings: RunSettings,
+        failure: Callable[[], tuple[str, str | None]],
+    ) -> tuple[str | None, str | None, str]:
+        if verdict.outcome not in (Outcome.FAILED, Outcome.PROGRESS_TIMEOUT):
+            return None, None, ""
+        if relaunch is not None and relaunch.kind is RelaunchKind.PORT_RACE:
             if self.port_races >= PORT_RACE_RETRIES:
-                return None, f"{relaunch.why}, {self.port_races} time(s) already; failing this try"
+                return None, f"{relaunch.why}, {self.port_races} time(s) already; failing this try", ""
             self.port_races += 1
-            return f"{relaunch.why} (port race {self.port_races} of {PORT_RACE_RETRIES})", None
-        if self.preemptions >= max_preemptions:
-            return None, (
-                f"the group was disrupted ({relaunch.why}) but its preemption budget is spent "
-                f"({self.preemptions} relaunch(es), max_preemptions={max_preemptions}); failing this try"
+            return f"{relaunch.why} (port race {self.port_races} of {PORT_RACE_RETRIES})", None, "port_race"
+        if relaunch is not None:
+            max_preemptions = settings.max_preemptions
+            if self.preemptions >= max_preemptions:
+                return (
+                    None,
+                    (
+                        f"the group was disrupted ({relaunch.why}) but its preemption budget is spent "
+                        f"({self.preemptions} relaunch(es), max_preemptions={max_preemptions}); failing this try"
+                    ),
+                    "",
+                )
+            self.preemptions += 1
+            why = f"the group was disrupted ({relaunch.why})"
+            return f"{why}, preemption {self.preemptions} of max_preemptions={max_preemptions}", None, "preemption"
+        if settings.max_restarts <= 0:
+            return None, None, ""
+        what, why_permanent = failure()
+        if why_permanent:
+            return None, f"{what}; not restarting: {why_permanent}", ""
+        if self.restarts >= settings.max_restarts:
+            return (
+                None,
+                (
+                    f"{what}; the restart budget is spent ({self.restarts} of max_restarts={settings.max_restarts}): "
+                    "failing this try (Airflow's retries, if any, take over)"
+                ),
+                "",
             )
-        self.preemptions += 1
-        why = f"the group was disrupted ({relaunch.why})"
-        return f"{why}, preemption {self.preemptions} of max_preemptions={max_preemptions}", None
+        self.restarts += 1
+        left = settings.max_restarts - self.restarts
+        return (
+            (
+                f"{what}; restart {self.restarts} of max_restarts={settings.max_restarts} ({left} left), "
+                "resuming from the latest committed checkpoint"
+            ),
+            None,
+            "restart",
+        )
+
+
+def permanent_failure(report: FailureReport, settings: RunSettings) -> str | None:
+    """Why a failed group must fail the task without restart or retry; None when it may be retried.
+
+    A signal, a peer's death, the "stopped to save" code and an unknown exit code stay retryable
+    whatever the exit-code lists say; the failure's own verdict (an import or syntax error, a
+    missing image) is permanent whatever they say.
+    """
+    if not report.retryable:
+        return "the failure is one a retry cannot fix"
+    code = report.exit_code
+    if report.signal or report.collateral or code is None or code == STOPPED_TO_SAVE_EXIT_CODE:
+        return None
+    if code in settings.fail_on_exit_codes:
+        return f"exit code {code} is in fail_on_exit_codes={list(settings.fail_on_exit_codes)}"
+    if settings.retry_on_exit_codes is not None and code not in settings.retry_on_exit_codes:
+        return f"exit code {code} is not in retry_on_exit_codes={list(settings.retry_on_exit_codes)}"
+    return None
 
 
 @dataclass
@@ -94,6 +178,7 @@ class RunEngine:
     deadline: float | None = None  # epoch: the task's execution_timeout
     handle: GroupHandle | None = None
     killed: bool = False
+    _reports: dict[str, FailureReport] = field(default_factory=dict, repr=False)
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> tuple[GroupHandle, Launches]:
@@ -175,7 +260,14 @@ class RunEngine:
             if verdict is None:
                 verdict = self.watch(handle, launches, defer)
             self.settle(handle, verdict)
-            why, why_not = launches.decide(self.backend, handle, verdict, self.settings.max_preemptions)
+            relaunch = (
+                self.backend.relaunch_reason(handle, verdict.group_status())
+                if verdict.outcome is Outcome.FAILED
+                else None
+            )
+            why, why_not = launches.decide(
+                handle.group_id, relaunch, verdict, self.settings, functools.partial(self.failure, handle, verdict)
+            )
             if why_not:
                 self.log.warning("Group %s: %s", handle.group_id, why_not)
             if why is None:
@@ -223,6 +315,25 @@ class RunEngine:
             )
             defer(handle, launches)
         return verdict
+
+    def explain(self, handle: GroupHandle, verdict: Verdict) -> FailureReport:
+        """The backend's story of a failed group (read once per group: it reads every node's log)."""
+        cached = self._reports.get(handle.group_id)
+        if cached is None:
+            cached = self._reports[handle.group_id] = self.backend.explain(handle, verdict.group_status())
+        return cached
+
+    def permanent(self, handle: GroupHandle, verdict: Verdict) -> str | None:
+        """Why this failure must not be restarted or retried (None: it may be). A hang caught by
+        ``progress_timeout`` is always retryable."""
+        return self.failure(handle, verdict)[1]
+
+    def failure(self, handle: GroupHandle, verdict: Verdict) -> tuple[str, str | None]:
+        """What failed, in one line (the diagnosis's root cause), and :meth:`permanent`'s answer."""
+        if verdict.outcome is not Outcome.FAILED:
+            return verdict.reason or verdict.outcome.value, None
+        report = self.explain(handle, verdict)
+        return report.headline or verdict.reason, permanent_failure(report, self.settings)
 
     def _emit(self, note: Note) -> None:
         self.log.log(note.level, "%s", note.message)

@@ -32,6 +32,13 @@ class RunSettings:
     deferrable: bool = False
     defer_after: float = DEFAULT_DEFER_AFTER
     max_preemptions: int = 3
+    # In-try restarts after a retryable failure (Ray's max_failures, JobSet's maxRestarts): 0 = off.
+    max_restarts: int = 0
+    # Exit codes of the failing rank: listed in fail_on, the task fails at once (no restart, no
+    # retry); with retry_on given, any other exit code fails at once too. Signals, a peer's death,
+    # the "stopped to save" code and port races stay retryable whatever the lists say.
+    retry_on_exit_codes: tuple[int, ...] | None = None
+    fail_on_exit_codes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,23 @@ def run_problems(w: RunSettings) -> list[str]:
     _number(problems, "observe_error_budget", w.observe_error_budget, zero=True)
     _number(problems, "preflight_budget", w.preflight_budget, zero=True)
     _number(problems, "defer_after", w.defer_after, zero=True)
-    m = w.max_preemptions
-    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-        problems.append(f"max_preemptions must be a whole number >= 0, got {m!r}")
+    for name in ("max_preemptions", "max_restarts"):
+        m = getattr(w, name)
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            problems.append(f"{name} must be a whole number >= 0, got {m!r}")
+    codes: dict[str, set[int]] = {}
+    for name in ("retry_on_exit_codes", "fail_on_exit_codes"):
+        value = getattr(w, name)
+        if value is None:
+            continue
+        bad = [c for c in value if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255]
+        if bad or isinstance(value, str | bytes):
+            problems.append(f"{name} must be a list of exit codes between 1 and 255, got {value!r}")
+            continue
+        codes[name] = set(value)
+    both = codes.get("retry_on_exit_codes", set()) & codes.get("fail_on_exit_codes", set())
+    if both:
+        problems.append(f"exit code(s) {sorted(both)} are in both retry_on_exit_codes and fail_on_exit_codes")
     return problems
 
 

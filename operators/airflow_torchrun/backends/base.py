@@ -40,6 +40,11 @@ __all__ = [
 class FailureReport:
     message: str
     retryable: bool
+    # The root cause's own exit code or signal, when the backend knows it (exit-code policies).
+    exit_code: int | None = None
+    signal: str | None = None
+    collateral: bool = False  # the root cause only followed something else (a peer's death, a stop)
+    headline: str = ""  # the root cause in one line ("rank 1 (node 1, local rank 0) was killed by ...")
 
 
 class RelaunchKind(StrEnum):

@@ -226,7 +226,16 @@ class LocalBackend(Backend):
         )
         if status.state.value == "startup_timeout":
             message = f"Training group {handle.group_id} could not start: {status.reason}.\n{message}"
-        return FailureReport(message=message, retryable=cause.retryable if cause else True)
+        if cause is None:
+            return FailureReport(message=message, retryable=True)
+        return FailureReport(
+            message=message,
+            retryable=cause.retryable,
+            exit_code=cause.exit_code,
+            signal=cause.signal,
+            collateral=cause.collateral,
+            headline=cause.headline(),
+        )
 
     def relaunch_reason(self, handle: LocalHandle, status: GroupStatus) -> Relaunch | None:
         """Node 0 lost the race for the rendezvous port: :func:`free_port` found it free, then

@@ -47,6 +47,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Credentials never go into plain pod env: anyone who may read Jobs would see them.
 _SECRET_STORAGE_OPTIONS = ("key", "secret", "token")
+
+
+def _codes(value: object) -> tuple[Any, ...]:
+    """Exit codes as a tuple (validated with the settings, so a bad value is listed, not raised here)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | set | frozenset):
+        return (value,)
+    return tuple(value)
+
+
 # The trigger fires no sooner than this after the deferral: the deferring process must have been
 # reported finished by the executor before the trigger re-queues the task (Airflow 3.3 fails a
 # task whose first process reports "success" while it is queued again).
@@ -97,6 +106,9 @@ class GroupOperator(BaseOperator):
         namespace: str | None = None,
         kubernetes_conn_id: str | None = None,
         max_preemptions: int = 3,
+        max_restarts: int = 0,
+        retry_on_exit_codes: Sequence[int] | None = None,
+        fail_on_exit_codes: Sequence[int] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -124,6 +136,9 @@ class GroupOperator(BaseOperator):
             defer_after = conf.getfloat("torchrun", "defer_after", fallback=DEFAULT_DEFER_AFTER)
         self.defer_after = defer_after
         self.max_preemptions = max_preemptions
+        self.max_restarts = max_restarts
+        self.retry_on_exit_codes = None if retry_on_exit_codes is None else _codes(retry_on_exit_codes)
+        self.fail_on_exit_codes = _codes(fail_on_exit_codes)
         self.aws_conn_id = aws_conn_id
         self.storage_options = dict(storage_options or {})
         self.mlflow_tracking_uri = mlflow_tracking_uri
@@ -171,6 +186,9 @@ class GroupOperator(BaseOperator):
             deferrable=self.deferrable,
             defer_after=self.defer_after,
             max_preemptions=self.max_preemptions,
+            max_restarts=self.max_restarts,
+            retry_on_exit_codes=self.retry_on_exit_codes,
+            fail_on_exit_codes=self.fail_on_exit_codes,
         )
 
     def validate(self, *, allow_templates: bool) -> GroupSpec | None:
@@ -451,10 +469,13 @@ class GroupOperator(BaseOperator):
             if not verdict.transient:  # e.g. the cluster forbids looking at the group: a retry would too
                 raise AirflowFailException(f"{message}\n(A retry cannot fix this; not retrying.)")
             raise AirflowException(message)
-        report = engine.backend.explain(handle, verdict.group_status())
+        report = engine.explain(handle, verdict)
         self.log.error("%s", report.message)
         if not report.retryable:
             raise AirflowFailException(f"{report.message}\n(A retry cannot fix this; not retrying.)")
+        why = engine.permanent(handle, verdict)
+        if why:
+            raise AirflowFailException(f"{report.message}\n(Not retrying: {why}.)")
         raise AirflowException(report.message)
 
     def on_kill(self) -> None:

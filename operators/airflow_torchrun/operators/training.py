@@ -99,6 +99,15 @@ class DistributedTrainingOperator(GroupOperator):
     :param max_preemptions: How many times a preempted or evicted group is relaunched within the
         same try (resuming from the latest checkpoint) before the task fails; it does not spend
         ``retries``.
+    :param max_restarts: How many times a group that failed retryably (a rank killed by a signal
+        or exiting with a retryable code, a hang caught by ``progress_timeout``) is torn down and
+        relaunched within the same try, resuming from the latest committed checkpoint, before
+        Airflow's ``retries`` are spent (default 0: failures go straight to ``retries``).
+    :param retry_on_exit_codes: When given, only these exit codes of the failing rank are retried
+        (restarts, then ``retries``); any other exit code fails the task at once. Signals, a peer's
+        death, the "stopped to save" code 75 and port races stay retryable.
+    :param fail_on_exit_codes: Exit codes of the failing rank that fail the task at once, without
+        restart or retry (for example a script's own "bad config" code).
     :param deferrable: Free the worker slot while the group runs: after launching, the task defers
         to a trigger that watches the group from the triggerer, and finishes (success, or failure
         with the same message as in sync mode) when the group is done. Defaults to
