@@ -193,3 +193,45 @@ def test_a_group_torn_down_mid_run_saves_and_the_retry_resumes_bit_identical(run
     # No completed step is lost (the ranks may be a few steps past what their log showed).
     assert saved >= int(str(stopped["last_done"])), (stopped, saved)
     assert _digest(result.node_logs("train")) == digest
+
+
+def test_killing_the_task_saves_a_checkpoint_first(run_dag: object) -> None:
+    """``on_kill`` (the task cleared or marked failed in the UI) is a SIGTERM teardown: ranks that
+    call ``save_if_stopping`` commit the step in progress before they go, so the next try of the
+    task resumes from there; nothing is left running."""
+    from airflow_torchrun.backends.procs import group_pids
+
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    earlier = set((state_dir / "groups").glob("*"))
+    seen: dict[str, object] = {}
+
+    def kill_when_training() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
+                if node_log.parent.parent in earlier:
+                    continue
+                steps = [int(m) for m in re.findall(r"step (\d+)/\d+", node_log.read_text(errors="replace"))]
+                if steps and max(steps) >= 50:
+                    seen.update(group=node_log.parent.parent.name, last_done=max(steps))
+                    # What Airflow's task runner receives when the task is killed from the UI.
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_training, daemon=True)
+    killer.start()
+    result = run_dag(_train_task(retries=0), imports="from datetime import timedelta")  # type: ignore[operator]
+    killer.join(5)
+    assert seen, "training never reached step 50"
+    assert result.state == "failed"  # type: ignore[attr-defined]
+    log = result.log  # type: ignore[attr-defined]
+    assert "on_kill: tearing down group" in log
+    node_log = (state_dir / "groups" / str(seen["group"]) / "node-0" / "node.log").read_text()
+    match = re.search(r"Stopped to save: checkpoint (\S+) \(step (\d+)\) committed", node_log)
+    assert match, node_log[-4000:]
+    uri, step = match.group(1), int(match.group(2))
+    store = CheckpointStore(uri.rpartition("/")[0])
+    assert store.read_marker(step)["stopped"] is True and store.verify(step) == []
+    assert step >= int(str(seen["last_done"]))
+    assert group_pids(str(seen["group"])) == []
