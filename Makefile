@@ -13,7 +13,7 @@ export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test lint install clean bench chaos
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The fault matrix (tests/chaos): TRIALS per fault; the report goes to .state/chaos/report.md and .json.
+TRIALS ?= 3
+chaos: $(STAMP)
+	CHAOS_TRIALS=$(TRIALS) $(VENV)/bin/pytest -q tests/chaos
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -1,0 +1,261 @@
+"""The fault matrix against the real local backend: the example trainer on 2 nodes, a fault at a
+random step, and what must hold afterwards.
+
+For every trial: the task succeeds (recovered), the final weights equal an uninterrupted run's
+(bit-identical), no process of any launch is alive, and no resume started from a step that was
+not committed or did not verify. ``CHAOS_TRIALS`` trials per fault (``make chaos TRIALS=N``);
+``CHAOS_SEED`` fixes the random steps and ranks. Each trial is recorded in the report
+(``tests/chaos/conftest.py``) before it is judged, so a miss is counted, never hidden.
+
+Faults here that need more than the local backend are covered elsewhere and not repeated:
+storage and tracking servers stopped mid-run (``tests/test_storage_faults.py``,
+``tests/test_tracking_faults.py``), the Kubernetes API answering 5xx
+(``tests/k8s/test_operator_faults.py``), the Airflow worker killed (``tests/test_local_backend.py``
+``test_dead_caller_stops_the_group``) and the triggerer restarted
+(``tests/test_trigger.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
+from airflow_torchrun.checkpoint import CheckpointStore
+from airflow_torchrun.wiring import NODE_RANK_VAR
+from tests.chaos.conftest import Trial, record, trials
+from tests.conftest import ROOT, make_runner
+
+pytestmark = pytest.mark.slow
+
+TRAINER = ROOT / "images" / "trainer" / "train.py"
+# 2 epochs of digits on 2 nodes (about 46 steps), a checkpoint every 10 steps, a progress line
+# every step; a wider hidden layer makes each checkpoint write long enough to be caught in it.
+ARGS = ["--epochs", "2", "--batch-size", "32", "--checkpoint-every", "10", "--log-every", "1", "--hidden", "2048"]
+FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
+# torchrun's --tee prefixes each line ("[default0]:"): no anchor.
+STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 train INFO step (\d+)/\d+")
+RESUMED = re.compile(r"resuming from (\S+)/step-0*(\d+) \(step \d+\)")
+SEED = int(os.environ.get("CHAOS_SEED", str(int(time.time()))))
+IMPORTS = "from datetime import timedelta"
+
+
+def _task(**kwargs: object) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"""
+    DistributedTrainingOperator(
+        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1, track=False,
+        script_args={ARGS!r}, retry_delay=timedelta(0), teardown_grace=5, {args}
+    )
+    """
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(airflow_db: Path, request: pytest.FixtureRequest) -> str:
+    run, cleanup = make_runner(None)
+    request.addfinalizer(cleanup)
+    result = run(_task(retries=0), imports=IMPORTS)
+    assert result.state == "success", result.node_logs("train")[-4000:]
+    found = FINAL.findall(result.node_logs("train"))
+    assert found
+    return str(found[-1][1])
+
+
+# -- the faults -----------------------------------------------------------------------------------
+def _rank_pid(group_id: str, rank: int) -> int | None:
+    for pid in group_pids(group_id):
+        env = _environ(pid)
+        if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env:
+            return pid
+    return None
+
+
+def _agent_pid(group_id: str, node_rank: int) -> int | None:
+    for pid in group_pids(group_id):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        env = _environ(pid)
+        on_node = env.get(NODE_RANK_VAR.encode()) == str(node_rank).encode()
+        if b"torch.distributed.run" in cmdline and on_node and b"LOCAL_RANK" not in env:
+            return pid
+    return None
+
+
+def _signal(pid: int | None, sig: int) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+    rank = rng.randint(0, 1)
+    return lambda group_id, _dir: (_signal(_rank_pid(group_id, rank), signal.SIGKILL), f"rank {rank}")
+
+
+def kill_agent(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+    node = rng.randint(0, 1)
+    return lambda group_id, _dir: (_signal(_agent_pid(group_id, node), signal.SIGKILL), f"agent of node {node}")
+
+
+def stop_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+    rank = rng.randint(0, 1)
+    return lambda group_id, _dir: (_signal(_rank_pid(group_id, rank), signal.SIGSTOP), f"rank {rank} SIGSTOPped")
+
+
+def sigterm_group(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+    def inject(group_id: str, _dir: Path) -> tuple[bool, str]:
+        if not group_pids(group_id):
+            return False, "no process found"
+        threading.Thread(target=stop_group, args=(group_id,), kwargs={"grace": 10.0}, daemon=True).start()
+        return True, "SIGTERM to every process"
+
+    return inject
+
+
+def kill_while_writing(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+    """SIGKILL rank 0 while a checkpoint step directory exists without its commit marker."""
+
+    def inject(group_id: str, _dir: Path) -> tuple[bool, str]:
+        pid = _rank_pid(group_id, 0)
+        uri = _environ(pid).get(b"TRAIN_CHECKPOINT_URI", b"").decode() if pid else ""
+        if not uri.startswith("file://"):
+            return False, "no checkpoint location found"
+        root = Path(uri.removeprefix("file://"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                steps = [p for p in root.iterdir() if p.name.startswith("step-")]
+            except FileNotFoundError:
+                steps = []
+            for step in steps:
+                if not (step / "COMMITTED").exists() and any(step.iterdir()):
+                    _signal(pid, signal.SIGKILL)
+                    torn = not (step / "COMMITTED").exists()
+                    return torn, f"rank 0 killed writing {step.name}" + ("" if torn else " (it committed first)")
+            time.sleep(0.0005)
+        return False, "no checkpoint write caught in 60 s"
+
+    return inject
+
+
+# -- one trial --------------------------------------------------------------------------------
+class Injector(threading.Thread):
+    """Waits for the first new group to reach ``step``, then injects the fault once."""
+
+    def __init__(self, state_dir: Path, step: int, inject: Callable[[str, Path], tuple[bool, str]]) -> None:
+        super().__init__(daemon=True)
+        self.state_dir, self.step, self.inject = state_dir, step, inject
+        self.earlier = set((state_dir / "groups").glob("*"))
+        self.group_id: str | None = None
+        self.injected = False
+        self.note = ""
+        self.at: float | None = None
+        self.last_done = 0
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            for log in (self.state_dir / "groups").glob("*/node-0/node.log"):
+                if log.parent.parent in self.earlier:
+                    continue
+                steps = [int(m[1]) for m in STEP.findall(log.read_text(errors="replace"))]
+                if steps and max(steps) >= self.step:
+                    self.group_id, self.last_done, self.at = log.parent.parent.name, max(steps), time.time()
+                    self.injected, self.note = self.inject(self.group_id, log.parent.parent)
+                    return
+            time.sleep(0.02)
+        self.note = f"the group never reached step {self.step}"
+
+
+def _first_step_after(state_dir: Path, exclude: str | None, after: float) -> float | None:
+    """When training progressed again: the first progress line after ``after`` in another group."""
+    firsts = []
+    for log in (state_dir / "groups").glob("*/node-0/node.log"):
+        if log.parent.parent.name == exclude:
+            continue
+        for stamp, _step in STEP.findall(log.read_text(errors="replace")):
+            at = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if at > after:
+                firsts.append(at)
+                break
+    return min(firsts) - after if firsts else None
+
+
+def run_trial(
+    run_dag: Callable[..., Any],
+    fault: str,
+    make: Callable[[random.Random], Callable[[str, Path], tuple[bool, str]]],
+    uninterrupted: str,
+    trial: int,
+    **task: object,
+) -> Trial:
+    rng = random.Random(f"{SEED}-{fault}-{trial}")
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    injector = Injector(state_dir, rng.randint(8, 38), make(rng))
+    injector.start()
+    result = run_dag(_task(**task), imports=IMPORTS)
+    injector.join(5)
+    launches = result.xcom("train", key="launches") or {}
+    final = result.xcom("train", key="group") or {}
+    groups = {injector.group_id, final.get("group_id"), *(h["group_id"] for h in launches.get("history", []))}
+    left = sum(len(group_pids(g)) for g in groups if g)
+    torn = 0
+    resumed = []
+    for root, step in RESUMED.findall(result.log):
+        store = CheckpointStore(root)
+        resumed.append(int(step))
+        if not store.is_committed(int(step)) or store.verify(int(step)):
+            torn += 1
+    lost = max(0, injector.last_done - max(resumed)) if resumed and injector.at else None
+    found = FINAL.findall(result.node_logs("train"))
+    identical = (found[-1][1] == uninterrupted) if result.state == "success" and found else None
+    if result.state == "success" and not found:
+        identical = False
+    recovery = _first_step_after(state_dir, injector.group_id, injector.at) if injector.at else None
+    note = f"seed {SEED}: step {injector.step}, {injector.note}"
+    if result.state != "success":
+        tail = [ln for ln in result.log.splitlines() if "Training group" in ln or "was torn down" in ln][-2:]
+        note += " | " + " / ".join(line[:300] for line in tail)
+    return record(
+        Trial(fault, injector.injected, result.state == "success", identical, left, torn, recovery, note, lost)
+    )
+
+
+FAULTS: dict[str, tuple[Callable[[random.Random], Callable[[str, Path], tuple[bool, str]]], dict[str, object]]] = {
+    "kill -9 a rank (in-try restart)": (kill_rank, {"retries": 0, "max_restarts": 1}),
+    "kill -9 a rank (Airflow retry)": (kill_rank, {"retries": 1}),
+    "kill -9 a node's torchrun agent": (kill_agent, {"retries": 0, "max_restarts": 1}),
+    "kill -9 a rank writing a checkpoint": (kill_while_writing, {"retries": 0, "max_restarts": 1}),
+    "SIGSTOP a rank (hang)": (stop_rank, {"retries": 0, "max_restarts": 1, "progress_timeout": 20}),
+    "SIGTERM the group (preemption)": (sigterm_group, {"retries": 0, "max_restarts": 1}),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault(run_dag: Callable[..., Any], uninterrupted: str, fault: str) -> None:
+    make, task = FAULTS[fault]
+    results = [run_trial(run_dag, fault, make, uninterrupted, n, **task) for n in range(trials())]
+    for t in results:
+        assert t.injected, t
+        assert t.recovered, t
+        assert t.bit_identical, t
+        assert t.left_behind == 0, t
+        assert t.torn_resumed == 0, t
+        if fault.startswith("SIGTERM"):  # saved at the next step boundary: no completed step lost
+            assert t.steps_lost == 0, t
