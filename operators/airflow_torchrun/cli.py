@@ -158,7 +158,11 @@ def render_task(args: argparse.Namespace) -> str:
     except Exception as exc:
         raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
-    backend = KubernetesBackend(namespace=args.namespace or task.namespace, runtimes=catalog)
+    backend = KubernetesBackend(
+        namespace=args.namespace or task.namespace,
+        runtimes=catalog,
+        active_deadline_seconds=task.kubernetes_settings().active_deadline_seconds,
+    )
     identity = GroupIdentity(
         dag_id=task.dag_id,
         task_id=task.task_id,
