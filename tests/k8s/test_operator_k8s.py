@@ -123,8 +123,9 @@ def created_jobs(fake: FakeKubeAPI) -> list[str]:
 
 
 def test_task_succeeds_and_its_group_is_deleted(cluster: FakeKubeAPI, run_dag) -> None:
+    body = TASK.replace("track=False,", "track=False,\n    execution_timeout=datetime.timedelta(minutes=30),")
     with Autopilot(cluster, succeed):
-        result = run_dag(TASK)
+        result = run_dag(body, imports="import datetime")
     assert result.task_states == {"train": "success"}, result.log[-3000:]
     (job,) = created_jobs(cluster)
     assert job.endswith("-t1")
@@ -134,6 +135,8 @@ def test_task_succeeds_and_its_group_is_deleted(cluster: FakeKubeAPI, run_dag) -
     assert "[node 0 rank 0] step 1 loss 0.50" in result.log  # rank 0's log streamed into the task log
     assert "[node 1 rank 1]" not in result.log  # only rank 0 by default
     assert result.xcom("train")["node_exit_codes"] == [0, 0]
+    # The task's execution_timeout is the Job's own deadline (a backstop when no worker is left).
+    assert posted_jobs(cluster)[0]["spec"]["activeDeadlineSeconds"] == 1800
 
 
 def test_oom_killed_rank_fails_the_try_and_airflow_retries_with_a_new_group(cluster: FakeKubeAPI, run_dag) -> None:

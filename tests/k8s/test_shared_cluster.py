@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from airflow_torchrun.backends.k8s_render import CONTROLLER_UID_LABEL, DEPLOYMENT_LABEL, GROUP_LABEL
+from airflow_torchrun.backends.k8s_render import GROUP_LABEL
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError
 from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, clear_cache, load_runtimes, parse_runtime
@@ -27,6 +27,9 @@ from .conftest import IDENTITY, NAMESPACE, make_spec
 from .fake_api import FakeKubeAPI
 
 NS = NAMESPACE
+# Public names (kubectl selectors in runbooks use them): spelt out, not imported.
+CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
+DEPLOYMENT_LABEL = "airflow-torchrun/deployment"
 
 
 def backend_of(kubeconfig: Path, deployment: str | None = None, **kwargs: object) -> KubernetesBackend:
@@ -35,7 +38,7 @@ def backend_of(kubeconfig: Path, deployment: str | None = None, **kwargs: object
         config_file=str(kubeconfig),
         watch_seconds=1.0,
         runtimes=BUILTIN_RUNTIMES,
-        deployment=deployment,
+        **({"deployment": deployment} if deployment else {}),
         **kwargs,  # type: ignore[arg-type]
     )
 
