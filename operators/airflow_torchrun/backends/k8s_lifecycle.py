@@ -7,9 +7,9 @@ Either way whatever of this group may have been created is deleted first (by uid
 object of the same name): there is no half-started group.
 
 A Job of the very same name that is already there (409) is ours from an earlier attempt of this
-same launch (the name derives from dag, task, run, map index, try and relaunch): one that failed
-half-way, or whose create timed out after the server had made it. It is deleted and created
-anew, never attached to: this launch owns exactly the group it was asked for (its environment,
+same launch (the name derives from deployment, dag, task, run, map index, try and relaunch): one
+that failed half-way, or whose create timed out after the server had made it. It is deleted (by
+its uid) and created anew, never attached to: this launch owns exactly the group it was asked for (its environment,
 resume point included, may differ from the earlier attempt's). Attaching to a live group of an
 earlier *try* is :func:`find_flow`'s job, before any launch.
 """
