@@ -573,7 +573,50 @@ def s3_server() -> Iterator[str]:
         server.stop()
 
 
-def scenarios(work: Path, results: list[str]) -> None:
+def sigterm_scenario(
+    job: dict[str, Any], secrets: Mapping[str, Mapping[str, str]], store: Any, uri: str, work: Path, results: list[str]
+) -> None:
+    """Optional (``--sigterm``; not run by CI): every pod gets SIGTERM, then SIGKILL after the
+    rendered ``terminationGracePeriodSeconds``, as when the Job is deleted or its pods evicted.
+    The trainer calls ``save_if_stopping``: the ranks should save the step in flight (marker
+    ``"stopped": true``) within the grace period. Reports what happened; fails only when no stop
+    checkpoint was committed."""
+    from airflow_torchrun.checkpoint import resolve_resume
+
+    grace = int(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30))
+    ref = resolve_resume(uri, "auto", {})
+    launch = Launch(job, "s")
+    launch.start(secrets, {"TRAIN_RESUME_FROM": ref.uri if ref else ""})
+    deadline = time.monotonic() + 300
+    while (store.latest().step if store.latest() else -1) <= (ref.step if ref else -1):
+        if time.monotonic() > deadline or not all(launch.running(p) for p in launch.pods):
+            launch.save_logs(work)
+            raise Failure(f"launch s committed nothing new; logs in {work}")
+        time.sleep(0.5)
+    say(f"launch s committed step {store.latest().step}; SIGTERM to every pod, SIGKILL after {grace}s")
+    stopped_at = time.monotonic()
+    stops = [
+        subprocess.Popen(["docker", "stop", "--time", str(grace), launch.container(pod)], stdout=subprocess.DEVNULL)
+        for pod in launch.pods
+    ]
+    for stop in stops:
+        stop.wait(timeout=grace + 60)
+    took = time.monotonic() - stopped_at
+    codes = [launch.wait(pod, timeout=60) for pod in launch.pods]
+    launch.save_logs(work)
+    latest = store.latest()
+    marker = store.read_marker(latest.step) if latest else {}
+    stopped = bool((marker.get("meta") or {}).get("stopped") or marker.get("stopped"))
+    results.append(
+        f"SIGTERM with a {grace}s grace period: pods exited {codes} after {took:.1f}s; latest checkpoint "
+        f"step {latest.step if latest else None} {'is' if stopped else 'is not'} a stop checkpoint"
+    )
+    say(results[-1])
+    if not stopped:
+        raise Failure(f"no stop checkpoint was committed on SIGTERM; logs in {work}")
+
+
+def scenarios(work: Path, results: list[str], *, sigterm: bool = False) -> None:
     import boto3
 
     from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume
@@ -620,6 +663,9 @@ def scenarios(work: Path, results: list[str]) -> None:
         results.append(f"node 1 killed mid-run: node 0 exited {code} after {peer_exit:.1f}s")
         say(results[-1])
 
+        if sigterm:
+            sigterm_scenario(job, secrets, store, uri, work, results)
+
         # Launch 2: what a retry does: resume from the latest committed checkpoint, train to the end.
         ref = resolve_resume(uri, "auto", {})
         if ref is None:
@@ -649,6 +695,11 @@ def scenarios(work: Path, results: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the containers and the work folder")
+    parser.add_argument(
+        "--sigterm",
+        action="store_true",
+        help="also stop a launch with SIGTERM and the rendered grace period (save_if_stopping); not run by CI",
+    )
     args = parser.parse_args(argv)
     from airflow_torchrun.runtimes import DEFAULT_UID
 
@@ -667,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results += check_image(DEFAULT_UID)
                 for line in results[-2:]:
                     say(line)
-                scenarios(work, results)
+                scenarios(work, results, sigterm=args.sigterm)
             finally:
                 if not args.keep:
                     remove_our_containers()
