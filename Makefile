@@ -13,7 +13,7 @@ export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
 
-.PHONY: demo test lint install clean bench chaos
+.PHONY: demo test lint install clean bench chaos image-test
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# The trainer image built from nothing (cached under .state/image-test) and the rendered pods of a
+# 2-node Job run as containers of it; needs docker.io and debootstrap (see images/image_test.py).
+image-test: $(STAMP)
+	$(PY) images/image_test.py
 
 clean:
 	rm -rf .state

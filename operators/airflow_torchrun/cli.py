@@ -44,9 +44,10 @@ def _parser() -> argparse.ArgumentParser:
             "Print, as multi-document YAML, the Indexed Job and headless Service that a "
             "task with backend='kubernetes' (DistributedTrainingOperator, EvaluateModelOperator, "
             "@task.torchrun) would create for the given run and try. Nothing is sent to a cluster. Left "
-            "out: the Service's ownerReference to the Job (it needs the Job's uid); the variables resolved "
-            "at launch (resume point, MLflow run) are shown as placeholders. Review the output, or check "
-            "it with: airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
+            "out: the Service's ownerReference to the Job and its controller-uid selector (they need the "
+            "Job's uid); the variables resolved at launch (resume point, MLflow run) are shown as "
+            "placeholders. Review the output, or check it with: "
+            "airflow-torchrun render ... | kubectl apply --dry-run=server -f -"
         ),
     )
     render.add_argument("--dag-file", required=True, type=Path, help="the Python file that defines the DAG")
@@ -158,7 +159,11 @@ def render_task(args: argparse.Namespace) -> str:
     except Exception as exc:
         raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
-    backend = KubernetesBackend(namespace=args.namespace or task.namespace, runtimes=catalog)
+    backend = KubernetesBackend(
+        namespace=args.namespace or task.namespace,
+        runtimes=catalog,
+        active_deadline_seconds=task.kubernetes_settings().active_deadline_seconds,
+    )
     identity = GroupIdentity(
         dag_id=task.dag_id,
         task_id=task.task_id,
@@ -170,7 +175,8 @@ def render_task(args: argparse.Namespace) -> str:
     header = (
         f"# airflow-torchrun render: {task.dag_id}.{task.task_id}, run {args.run_id}, try {args.try_number}, "
         f"namespace {rendered.namespace}\n"
-        "# At launch the Service also gets an ownerReference to the Job (it needs the Job's uid).\n"
+        "# At launch the Service also gets an ownerReference to the Job, and selects the Job's pods by its\n"
+        "# batch.kubernetes.io/controller-uid (both need the Job's uid).\n"
     )
     return header + to_yaml(rendered.objects)
 

@@ -60,6 +60,12 @@ CONFIG_OPTIONS = {
     "default_runtime": _option("Runtime used when an operator on the Kubernetes backend names none.", "cpu"),
     "kubernetes_conn_id": _option("Airflow connection of the cluster.", "kubernetes_default"),
     "kubernetes_namespace": _option("Namespace of the training Jobs.", "default", "ml-training"),
+    "deployment": _option(
+        "This Airflow deployment's name in its Jobs' identity and labels (a Kubernetes label value). Give "
+        "each deployment that shares a namespace with another its own, the same on all of its workers.",
+        "default",
+        "prod-eu",
+    ),
 }
 
 

@@ -8,7 +8,10 @@ Platform engineers define runtimes once (Kubeflow Trainer's TrainingRuntime spli
    JSON or YAML; a runtime defined there replaces the file's runtime of the same name;
 3. when neither holds anything, the built-in examples ``cpu`` and ``gpu`` (:data:`BUILTIN_RUNTIMES`).
 
-Both sources hold one mapping: runtime name -> definition (see ``docs/kubernetes.md``).
+Both sources hold one mapping: runtime name -> definition (see ``docs/kubernetes.md``). The file
+may also hold :data:`POLICY_KEY`: what a runtime from the Variable (editable by any Airflow user
+with Variable access) may do that loosens the pods' security (:data:`ALLOWANCES`); by default
+nothing, so the Variable cannot make a privileged, root or host-namespace pod.
 :func:`get_runtime` is called when a DAG is parsed: it reads a cached file and, guarded, the
 Variable, so parsing works where no metadata database is reachable. Nothing here imports the
 Kubernetes client.
@@ -40,6 +43,19 @@ DEFAULT_UID = 1000
 # How long one read of the Variable is reused: a DAG file with many training tasks parses them
 # all within a second, and an edited Variable takes effect on the next parse cycle.
 VARIABLE_TTL_SECONDS = 30.0
+# A finished Job must outlive the operator's last look at it (every few seconds; the triggerer
+# may be restarting): a Job deleted the moment it finishes leaves a task that cannot tell success
+# from a vanished group.
+MIN_TTL_SECONDS = 60
+# The file's reserved key (a runtime name cannot start with "_") and what it may allow.
+POLICY_KEY = "_variable_policy"
+ALLOWANCES = {
+    "privileged": "privileged containers, privilege escalation, added capabilities, an unconfined seccomp profile",
+    "root": "running as root (run_as_user: 0, runAsUser: 0, runAsNonRoot: false)",
+    "host_namespaces": "hostNetwork, hostPID or hostIPC",
+    "host_path": "hostPath volumes",
+    "service_account_token": "automount_service_account_token: true",
+}
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
@@ -70,6 +86,10 @@ _FIELDS = (
     "run_as_user",
     "run_as_group",
     "ttl_seconds_after_finished",
+    "termination_grace_period",
+    "automount_service_account_token",
+    "read_only_root_filesystem",
+    "writable_paths",
     "pod_overrides",
     "container_overrides",
 )
@@ -109,6 +129,14 @@ class Runtime:
     run_as_user: int = DEFAULT_UID
     run_as_group: int = DEFAULT_UID
     ttl_seconds_after_finished: int | None = None
+    # Seconds between SIGTERM and SIGKILL for the pods (terminationGracePeriodSeconds): the time
+    # a rank has to save a checkpoint when it is evicted, preempted or torn down. None: the task's
+    # teardown_grace.
+    termination_grace_period: int | None = None
+    automount_service_account_token: bool = False
+    read_only_root_filesystem: bool = True
+    # Writable emptyDirs besides /tmp (and /dev/shm) for a read-only root filesystem.
+    writable_paths: tuple[str, ...] = ()
     pod_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     container_overrides: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "built-in"
@@ -235,6 +263,13 @@ def parse_runtime(name: object, data: object, source: str = "") -> Runtime:
             return ()
         return tuple(value)
 
+    def flag(key: str, default: bool) -> bool:
+        value = data.get(key, default)
+        if not isinstance(value, bool):
+            problems.append(f"{key} must be true or false, got {value!r}")
+            return default
+        return value
+
     def obj(key: str) -> dict[str, Any]:
         value = data.get(key)
         if value is None:
@@ -283,6 +318,23 @@ def parse_runtime(name: object, data: object, source: str = "") -> Runtime:
     run_as_user = whole("run_as_user", data.get("run_as_user", DEFAULT_UID), 0)
     run_as_group = whole("run_as_group", data.get("run_as_group", DEFAULT_UID), 0)
     ttl = whole("ttl_seconds_after_finished", data.get("ttl_seconds_after_finished"), 0)
+    if ttl is not None and ttl < MIN_TTL_SECONDS:
+        problems.append(
+            f"ttl_seconds_after_finished {ttl} is too short: the Job would be deleted before the operator reads "
+            f"how it ended (the task would see a vanished group); give at least {MIN_TTL_SECONDS}, or leave it out "
+            "(the operator deletes its Jobs itself)"
+        )
+        ttl = None
+    grace = whole("termination_grace_period", data.get("termination_grace_period"), 1)
+    automount = flag("automount_service_account_token", False)
+    read_only = flag("read_only_root_filesystem", True)
+    writable = str_list("writable_paths")
+    for path in writable:
+        if not path.startswith("/") or path.rstrip("/") in ("", "/tmp", "/dev/shm") or ".." in path.split("/"):
+            problems.append(
+                f"writable_paths: {path!r} must be an absolute path other than /, /tmp and /dev/shm (those are "
+                "writable already)"
+            )
     pod_overrides = obj("pod_overrides")
     container_overrides = obj("container_overrides")
     for bad in ("containers", "initContainers", "restartPolicy", "subdomain"):
@@ -328,14 +380,21 @@ def parse_runtime(name: object, data: object, source: str = "") -> Runtime:
         run_as_user=DEFAULT_UID if run_as_user is None else run_as_user,
         run_as_group=DEFAULT_UID if run_as_group is None else run_as_group,
         ttl_seconds_after_finished=ttl,
+        termination_grace_period=grace,
+        automount_service_account_token=automount,
+        read_only_root_filesystem=read_only,
+        writable_paths=writable,
         pod_overrides=_frozen(pod_overrides),
         container_overrides=_frozen(container_overrides),
         source=source or "built-in",
     )
 
 
-def parse_runtimes(data: object, source: str) -> dict[str, Runtime]:
-    """A whole runtimes document (name -> definition); every runtime's problems at once."""
+def parse_runtimes(data: object, source: str, *, policy_allowed: bool = False) -> dict[str, Runtime]:
+    """A whole runtimes document (name -> definition); every runtime's problems at once.
+
+    :data:`POLICY_KEY` is skipped where ``policy_allowed`` (the runtimes file), refused elsewhere.
+    """
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -345,6 +404,12 @@ def parse_runtimes(data: object, source: str) -> dict[str, Runtime]:
     out: dict[str, Runtime] = {}
     problems: list[str] = []
     for name, definition in data.items():
+        if name == POLICY_KEY:
+            if not policy_allowed:
+                problems.append(
+                    f"{POLICY_KEY} may be set only in the platform's runtimes file ([torchrun] runtimes_file)"
+                )
+            continue
         try:
             out[str(name)] = parse_runtime(name, definition, source)
         except InvalidSpecError as exc:
@@ -376,7 +441,76 @@ BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
 }
 BUILTIN_RUNTIMES: Mapping[str, Runtime] = MappingProxyType(parse_runtimes(BUILTIN_DEFINITIONS, "built-in"))
 
-_file_cache: dict[str, tuple[tuple[int, int], dict[str, Runtime]]] = {}
+
+def parse_policy(data: object, source: str) -> frozenset[str]:
+    """The allowances of a runtimes file's :data:`POLICY_KEY` (none when it has none)."""
+    if not isinstance(data, Mapping) or data.get(POLICY_KEY) is None:
+        return frozenset()
+    policy = data[POLICY_KEY]
+    where = f"{POLICY_KEY} in {source}"
+    if not isinstance(policy, Mapping) or set(policy) - {"allow"}:
+        raise InvalidSpecError([f"expected a mapping with one key, allow: [{', '.join(ALLOWANCES)}]"], where)
+    allow = policy.get("allow") or []
+    if isinstance(allow, str) or not isinstance(allow, Sequence):
+        raise InvalidSpecError([f"allow must be a list of {', '.join(ALLOWANCES)}; got {allow!r}"], where)
+    unknown = [a for a in allow if a not in ALLOWANCES]
+    if unknown:
+        raise InvalidSpecError([f"unknown allowance(s) {unknown!r}; known: {', '.join(ALLOWANCES)}"], where)
+    return frozenset(allow)
+
+
+def loosenings(runtime: Runtime) -> list[tuple[str, str]]:
+    """What in ``runtime`` loosens the pods' security: (allowance, the setting), in a stable order.
+
+    Read from the runtime's own fields and from its overrides, which the render merges into the
+    pod: lists in the overrides replace the rendered ones, so a ``volumes`` override is read whole.
+    """
+    out: list[tuple[str, str]] = []
+    pod = runtime.pod_overrides
+    container = runtime.container_overrides
+    pod_sc = pod.get("securityContext") or {}
+    c_sc = container.get("securityContext") or {}
+    if runtime.run_as_user == 0:
+        out.append(("root", "run_as_user: 0"))
+    for where, sc in (("pod_overrides", pod_sc), ("container_overrides", c_sc)):
+        if sc.get("runAsUser") == 0:
+            out.append(("root", f"{where}.securityContext.runAsUser: 0"))
+        if sc.get("runAsNonRoot") is False:
+            out.append(("root", f"{where}.securityContext.runAsNonRoot: false"))
+        if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
+            out.append(("privileged", f"{where}.securityContext.seccompProfile: Unconfined"))
+    if c_sc.get("privileged") is True:
+        out.append(("privileged", "container_overrides.securityContext.privileged: true"))
+    if c_sc.get("allowPrivilegeEscalation") is True:
+        out.append(("privileged", "container_overrides.securityContext.allowPrivilegeEscalation: true"))
+    if (c_sc.get("capabilities") or {}).get("add"):
+        out.append(("privileged", "container_overrides.securityContext.capabilities.add"))
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key) is True:
+            out.append(("host_namespaces", f"pod_overrides.{key}: true"))
+    for volume in pod.get("volumes") or ():
+        if isinstance(volume, Mapping) and "hostPath" in volume:
+            out.append(("host_path", f"pod_overrides.volumes: hostPath volume {volume.get('name')!r}"))
+    if runtime.automount_service_account_token:
+        out.append(("service_account_token", "automount_service_account_token: true"))
+    return out
+
+
+def check_policy(runtimes: Mapping[str, Runtime], allowed: frozenset[str], source: str) -> None:
+    """Refuse runtimes of ``source`` (the Variable) that loosen security beyond the file's policy."""
+    problems = [
+        f"runtime {name!r} sets {setting} ({ALLOWANCES[allowance]}), which the platform's runtimes file does not "
+        f"allow for runtimes of the Variable: define this runtime in [torchrun] runtimes_file, or list "
+        f"{allowance!r} under {POLICY_KEY}.allow there"
+        for name, runtime in runtimes.items()
+        for allowance, setting in loosenings(runtime)
+        if allowance not in allowed
+    ]
+    if problems:
+        raise InvalidSpecError(problems, f"runtimes in {source}")
+
+
+_file_cache: dict[str, tuple[tuple[int, int], dict[str, Runtime], frozenset[str]]] = {}
 _variable_cache: dict[str, tuple[float, str | None]] = {}
 
 
@@ -410,6 +544,11 @@ def _yaml_load(text: str, source: str) -> object:
 
 def load_file(path: str) -> dict[str, Runtime]:
     """The runtimes of one YAML file, cached until the file changes."""
+    return _load_file(path)[0]
+
+
+def _load_file(path: str) -> tuple[dict[str, Runtime], frozenset[str]]:
+    """The runtimes of one YAML file and its policy for the Variable, cached until the file changes."""
     p = Path(path).expanduser()
     try:
         st = p.stat()
@@ -421,10 +560,12 @@ def load_file(path: str) -> dict[str, Runtime]:
     key = (st.st_mtime_ns, st.st_size)
     cached = _file_cache.get(str(p))
     if cached is not None and cached[0] == key:
-        return cached[1]
-    runtimes = parse_runtimes(_yaml_load(p.read_text(), f"file {p}"), f"file {p}")
-    _file_cache[str(p)] = (key, runtimes)
-    return runtimes
+        return cached[1], cached[2]
+    data = _yaml_load(p.read_text(), f"file {p}")
+    runtimes = parse_runtimes(data, f"file {p}", policy_allowed=True)
+    policy = parse_policy(data, f"file {p}")
+    _file_cache[str(p)] = (key, runtimes, policy)
+    return runtimes, policy
 
 
 def read_variable(name: str) -> str | None:
@@ -469,14 +610,19 @@ def load_runtimes(*, file: str | None = None, variable: str | None = None) -> Ru
     var_name = variable if variable is not None else _config("runtimes_variable", DEFAULT_VARIABLE, keep_empty=True)
     merged: dict[str, Runtime] = {}
     sources: list[str] = []
+    allowed: frozenset[str] = frozenset()
     if path:
-        merged.update(load_file(path))
+        from_file, allowed = _load_file(path)
+        merged.update(from_file)
         sources.append(f"file {path}")
     if var_name:
         text = read_variable(var_name)
         if text is not None and text.strip():
-            merged.update(parse_runtimes(_yaml_load(text, f"Variable {var_name}"), f"Variable {var_name}"))
-            sources.append(f"Variable {var_name}")
+            source = f"Variable {var_name}"
+            from_variable = parse_runtimes(_yaml_load(text, source), source)
+            check_policy(from_variable, allowed, source)
+            merged.update(from_variable)
+            sources.append(source)
     if not sources:
         return RuntimeCatalog(BUILTIN_RUNTIMES, ("built-in examples",))
     return RuntimeCatalog(MappingProxyType(merged), tuple(sources))

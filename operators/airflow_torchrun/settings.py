@@ -48,6 +48,8 @@ class CheckpointSettings:
     keep_last: int = 3
     aws_conn_id: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # The [torchrun] checkpoint_base in effect, where checkpoint_uri is None (for the checks only).
+    default_base: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,31 @@ class KubernetesSettings:
     namespace: str | None = None
     kubernetes_conn_id: str | None = None
     all_ranks_logs: bool = False
+    # The task's execution_timeout: the Job's own activeDeadlineSeconds.
+    active_deadline_seconds: float | None = None
+
+
+def _local_uri(uri: str) -> bool:
+    return uri.startswith("file:") or "://" not in uri
+
+
+def local_tracking_store(uri: str) -> bool:
+    """An MLflow tracking URI that names a store on this machine (SQLite, a file store, a path)."""
+    if uri == "databricks" or uri.startswith("databricks"):
+        return False
+    return uri.startswith("sqlite:") or _local_uri(uri)
+
+
+def kubernetes_tracking_problems(tracking_uri: str) -> list[str]:
+    """Rank 0 logs into the tracking store from a pod: it must be a server the pods reach."""
+    if not local_tracking_store(tracking_uri):
+        return []
+    return [
+        f"the MLflow tracking URI {tracking_uri!r} is a store on the Airflow worker's disk, which the pods (rank 0 "
+        "logs there) cannot reach; give mlflow_tracking_uri='http://<mlflow server>:5000' (or set "
+        "MLFLOW_TRACKING_URI / [torchrun] mlflow_tracking_uri) to a tracking server that both the worker and the "
+        "pods reach, or track=False"
+    ]
 
 
 def _number(problems: list[str], name: str, value: object, *, allow_none: bool = False, zero: bool = False) -> float:
@@ -112,15 +139,17 @@ def checkpoint_problems(c: CheckpointSettings, backend: str) -> list[str]:
         except StorageError as exc:
             problems.append(f"{name}: {exc}")
     uri = c.checkpoint_uri
-    if (
-        backend == "kubernetes"
-        and isinstance(uri, str)
-        and not is_templated(uri)
-        and (uri.startswith("file://") or uri.startswith("/"))
-    ):
+    if backend == "kubernetes" and isinstance(uri, str) and not is_templated(uri) and _local_uri(uri):
         problems.append(
             f"checkpoint_uri {uri!r} is a local path, which pods on other machines cannot share; "
             "give checkpoint_uri='s3://...' or set [torchrun] checkpoint_base to shared storage"
+        )
+    base = c.default_base
+    if backend == "kubernetes" and uri is None and base is not None and _local_uri(base):
+        problems.append(
+            f"checkpoint_uri is not set, and the default root [torchrun] checkpoint_base ({base}) is a local "
+            "path, which pods on other machines cannot share (a retry could not resume); give "
+            "checkpoint_uri='s3://bucket/prefix', or set [torchrun] checkpoint_base to shared storage (s3://...)"
         )
     return problems
 
@@ -132,9 +161,12 @@ def validate_task(
     backend: str,
     run: RunSettings,
     checkpoint: CheckpointSettings | None = None,
+    tracking_uri: str | None = None,
     extra: list[str] | None = None,
 ) -> GroupSpec | None:
     """The spec, or one :class:`InvalidSpecError` listing every problem of spec and settings.
+
+    ``tracking_uri``: the MLflow store the ranks will log into, when the task tracks.
 
     Returns ``None`` when only the settings were checked because the spec still holds templates
     that ``make_spec`` could not validate (never: it raises with every problem instead).
@@ -148,6 +180,8 @@ def validate_task(
     problems += run_problems(run)
     if checkpoint is not None and not is_templated(backend):
         problems += checkpoint_problems(checkpoint, backend)
+    if tracking_uri is not None and backend == "kubernetes":
+        problems += kubernetes_tracking_problems(tracking_uri)
     if problems:
         raise InvalidSpecError(problems, where)
     return spec

@@ -17,8 +17,12 @@ from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import GroupStatus, group_status
 from airflow_torchrun.wiring import GroupIdentity
+from tests import s3_fixtures
 
 from .fake_api import FakeKubeAPI
+
+moto_s3 = s3_fixtures.moto_s3
+s3_env = s3_fixtures.s3_env
 
 NAMESPACE = "ml"
 
@@ -38,8 +42,18 @@ def kubeconfig(fake_api: FakeKubeAPI, tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def k8s_connection(kubeconfig: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The Airflow connection ``kubernetes_default``, defined in the environment (no database)."""
+def pod_storage(s3_env: s3_fixtures.MotoS3, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Checkpoints where pods and the worker both reach them: ``[torchrun] checkpoint_base`` on
+    moto's S3 (the local default is refused for the Kubernetes backend when the DAG is parsed)."""
+    base = f"s3://{s3_env.make_bucket()}/checkpoints"
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__CHECKPOINT_BASE", base)
+    return base
+
+
+@pytest.fixture
+def k8s_connection(kubeconfig: Path, monkeypatch: pytest.MonkeyPatch, pod_storage: str) -> str:
+    """The Airflow connection ``kubernetes_default``, defined in the environment (no database),
+    and shared checkpoint storage (:func:`pod_storage`)."""
     conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig)}}
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_DEFAULT", json.dumps(conn))
     return "kubernetes_default"

@@ -60,6 +60,10 @@ class Call:
         return self.query.get("watch", "").lower() in ("true", "1")
 
     @property
+    def precondition_uid(self) -> str | None:
+        return ((self.body or {}).get("preconditions") or {}).get("uid") if isinstance(self.body, dict) else None
+
+    @property
     def propagation_policy(self) -> str | None:
         if self.query.get("propagationPolicy"):
             return self.query["propagationPolicy"]
@@ -323,6 +327,14 @@ class FakeKubeAPI:
             if call.method == "GET":
                 return 200, copy.deepcopy(obj)
             if call.method == "DELETE":
+                wanted = ((call.body or {}).get("preconditions") or {}).get("uid")
+                if wanted is not None and wanted != obj["metadata"]["uid"]:
+                    # What the API server answers when DeleteOptions.preconditions.uid does not match.
+                    message = (
+                        f"Precondition failed: UID in precondition: {wanted}, UID in object meta: "
+                        f"{obj['metadata']['uid']}"
+                    )
+                    return 409, _status(409, "Conflict", message)
                 return self._delete(resource, ns, name, call.propagation_policy)
         return 405, _status(405, "MethodNotAllowed", f"{call.method} {call.path}")
 

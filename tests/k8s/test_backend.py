@@ -15,7 +15,7 @@ import time
 import pytest
 
 from airflow_torchrun.backends.base import GroupHandle, RelaunchKind
-from airflow_torchrun.backends.k8s_render import GROUP_LABEL, KUEUE_QUEUE_LABEL
+from airflow_torchrun.backends.k8s_render import KUEUE_QUEUE_LABEL
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, parse_runtime
@@ -417,7 +417,8 @@ def test_observe_returns_as_soon_as_a_pod_changes(fake_api: FakeKubeAPI, kubecon
     assert [n.phase for n in nodes] == [NodePhase.RUNNING, NodePhase.RUNNING]
     assert time.monotonic() - started < 25  # ended by the change, not by the 30 s watch timeout
     watch = [c for c in fake_api.calls if c.is_watch][-1]
-    assert watch.query["labelSelector"] == f"{GROUP_LABEL}={job_name}"
+    # The Job's pods by its uid (the Job controller's label), not by a label anyone can set.
+    assert watch.query["labelSelector"] == f"batch.kubernetes.io/controller-uid={handle.job_uid}"
 
 
 def test_relaunch_after_preemption_gets_its_own_name(fake_api: FakeKubeAPI, backend: KubernetesBackend) -> None:

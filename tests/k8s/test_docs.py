@@ -25,6 +25,13 @@ def test_the_runtimes_example_is_valid() -> None:
     assert runtimes["a100-x8"].queue == "research" and runtimes["a100-x8"].gpu == 8
 
 
+def test_the_variable_policy_example_is_valid() -> None:
+    from airflow_torchrun.runtimes import parse_policy
+
+    (block,) = [b for b in yaml_blocks() if "_variable_policy:" in b]
+    assert parse_policy(yaml.safe_load(block), "docs/kubernetes.md") == {"host_namespaces"}
+
+
 @pytest.mark.parametrize("version", ["1.29.0", "1.34.0"])
 def test_the_rbac_example_is_valid(version: str) -> None:
     objects = [o for b in yaml_blocks() for o in yaml.safe_load_all(b) if isinstance(o, dict) and "apiVersion" in o]

@@ -1,11 +1,19 @@
-"""The trainer image's Dockerfile, checked without building it (no container engine here)."""
+"""The trainer image's Dockerfile, checked without building it.
+
+Building it and running the rendered pods in it is ``make image-test`` (``images/image_test.py``,
+run by CI); these checks are the cheap part that every ``pytest`` run does, and they check the
+build-context filter that image test stages its context with.
+"""
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib.util
 import re
-from fnmatch import fnmatch
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from airflow_torchrun.runtimes import DEFAULT_UID
 
@@ -14,26 +22,23 @@ DOCKERFILE = ROOT / "images" / "trainer" / "Dockerfile"
 IGNORE = ROOT / "images" / "trainer" / "Dockerfile.dockerignore"
 
 
+@functools.cache
+def image_test() -> ModuleType:
+    """``images/image_test.py``, imported (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("airflow_torchrun_image_test", ROOT / "images" / "image_test.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def ignore_patterns() -> list[str]:
-    return [line.strip() for line in IGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return list(image_test().ignore_patterns(IGNORE))
 
 
 def ignored(path: str, patterns: list[str]) -> bool:
-    """Docker's rule for the simple patterns used: the last matching pattern wins, and a pattern
-    that matches a parent folder matches everything below it."""
-    parts = path.split("/")
-    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    result = False
-    for raw in patterns:
-        negate = raw.startswith("!")
-        pattern = raw[1:] if negate else raw
-        if pattern.startswith("**/"):
-            hit = any(fnmatch(part, pattern[3:]) for part in parts)
-        else:
-            hit = any(fnmatch(prefix, pattern) for prefix in prefixes)
-        if hit:
-            result = not negate
-    return result
+    return bool(image_test().ignored(path, patterns))
 
 
 def copy_sources() -> list[str]:
@@ -77,3 +82,12 @@ def test_the_image_user_is_the_runtimes_default_non_root_user() -> None:
     assert re.search(r"^USER \$\{UID\}:\$\{UID\}$", text, re.MULTILINE)
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.MULTILINE)
     assert base is not None and ":" in base.group(1) and not base.group(1).endswith(":latest")  # pinned
+
+
+def test_the_image_test_stages_exactly_the_build_context(tmp_path: Path) -> None:
+    count = image_test().stage_context(tmp_path / "context")
+    staged = sorted(str(p.relative_to(tmp_path / "context")) for p in (tmp_path / "context").rglob("*") if p.is_file())
+    assert len(staged) == count
+    assert "pyproject.toml" in staged and "images/trainer/Dockerfile" in staged
+    assert "operators/airflow_torchrun/worker/launch.py" in staged
+    assert not [p for p in staged if p.startswith(("tests/", ".state/", ".venv/")) or p.endswith(".pyc")]

@@ -14,12 +14,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from airflow_torchrun.backends.k8s_render import GROUP_LABEL, INSTANCE_LABEL
+from airflow_torchrun.backends.k8s_render import CONTROLLER_UID_LABEL, INSTANCE_LABEL
 from airflow_torchrun.backends.kubernetes import KubernetesBackend
 from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.wiring import GroupIdentity
@@ -124,8 +123,9 @@ def created_jobs(fake: FakeKubeAPI) -> list[str]:
 
 
 def test_task_succeeds_and_its_group_is_deleted(cluster: FakeKubeAPI, run_dag) -> None:
+    body = TASK.replace("track=False,", "track=False,\n    execution_timeout=datetime.timedelta(minutes=30),")
     with Autopilot(cluster, succeed):
-        result = run_dag(TASK)
+        result = run_dag(body, imports="import datetime")
     assert result.task_states == {"train": "success"}, result.log[-3000:]
     (job,) = created_jobs(cluster)
     assert job.endswith("-t1")
@@ -135,6 +135,8 @@ def test_task_succeeds_and_its_group_is_deleted(cluster: FakeKubeAPI, run_dag) -
     assert "[node 0 rank 0] step 1 loss 0.50" in result.log  # rank 0's log streamed into the task log
     assert "[node 1 rank 1]" not in result.log  # only rank 0 by default
     assert result.xcom("train")["node_exit_codes"] == [0, 0]
+    # The task's execution_timeout is the Job's own deadline (a backstop when no worker is left).
+    assert posted_jobs(cluster)[0]["spec"]["activeDeadlineSeconds"] == 1800
 
 
 def test_oom_killed_rank_fails_the_try_and_airflow_retries_with_a_new_group(cluster: FakeKubeAPI, run_dag) -> None:
@@ -197,8 +199,7 @@ def preempt(fake: FakeKubeAPI, job: str) -> None:
     fake.set_running(NS, job)
     store = CheckpointStore(trainer_env(fake.job(NS, job))["TRAIN_CHECKPOINT_URI"])
     step = 5 * len(posted_jobs(fake))  # launch n "trained" up to step 5n
-    Path(store.step_path(step)).mkdir(parents=True, exist_ok=True)
-    Path(store.step_path(step), "state.pt").write_bytes(b"weights")
+    store.fs.pipe_file(f"{store.step_path(step)}/state.pt", b"weights")
     store.commit(step)
     pod0 = fake.pod(NS, job, 0)["metadata"]["name"]
     fake.add_log(pod0, f"[node 0 rank 0] checkpoint step {step} committed")
@@ -303,7 +304,8 @@ def test_a_restarted_task_attaches_to_the_group_it_left_running(cluster: FakeKub
         keep_running(fake, job)
         # Complete only after the task looked for its group and then watched this one's pods.
         found = wait_for_call(fake, lambda c: INSTANCE_LABEL in c.query.get("labelSelector", ""))
-        if found < 0 or wait_for_call(fake, lambda c: GROUP_LABEL in c.query.get("labelSelector", ""), after=found) < 0:
+        pods = f"{CONTROLLER_UID_LABEL}={fake.job(NS, job)['metadata']['uid']}"
+        if found < 0 or wait_for_call(fake, lambda c: c.query.get("labelSelector") == pods, after=found) < 0:
             fake.set_terminated(NS, job, None, exit_code=1, reason="Error")  # nobody attached: fail fast
             return
         time.sleep(0.3)
@@ -332,7 +334,8 @@ def test_a_restarted_task_attaches_to_the_group_it_left_running(cluster: FakeKub
 def test_on_kill_deletes_the_group(cluster: FakeKubeAPI, run_dag) -> None:
     def kill_once_watched(fake: FakeKubeAPI, job: str) -> None:
         keep_running(fake, job)
-        if wait_for_call(fake, lambda c: c.is_watch and c.query.get("labelSelector") == f"{GROUP_LABEL}={job}") < 0:
+        pods = f"{CONTROLLER_UID_LABEL}={fake.job(NS, job)['metadata']['uid']}"
+        if wait_for_call(fake, lambda c: c.is_watch and c.query.get("labelSelector") == pods) < 0:
             raise AssertionError(f"the task never watched {job}")
         # What Airflow's task runner receives when the task is cleared or marked failed in the UI.
         os.kill(os.getpid(), signal.SIGTERM)

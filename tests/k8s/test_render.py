@@ -76,6 +76,9 @@ FULL_RUNTIME = parse_runtime(
         "run_as_user": 2000,
         "run_as_group": 2000,
         "ttl_seconds_after_finished": 3600,
+        "termination_grace_period": 120,
+        "automount_service_account_token": True,
+        "writable_paths": ["/home/trainer/.cache"],
         "pod_overrides": {"hostIPC": False, "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]}},
         "container_overrides": {"securityContext": {"readOnlyRootFilesystem": False}},
     },
@@ -123,9 +126,19 @@ def trainer_template(group: k8s_render.RenderedGroup) -> k8s_render.ContainerTem
     return k8s_render.ContainerTemplate(command=tuple(trainer["command"]), env=tuple(trainer["env"]))
 
 
+# Backend options per scenario: the Airflow deployment's name, the task's execution_timeout.
+BACKEND_OPTIONS: dict[str, dict[str, object]] = {
+    "gpu_four_nodes_queued": {"deployment": "prod-eu", "active_deadline_seconds": 7200},
+}
+
+
 def rendered(name: str) -> k8s_render.RenderedGroup:
     spec, identity, namespace, extra_env = SCENARIOS[name]
-    backend = KubernetesBackend(namespace=namespace, runtimes={**BUILTIN_RUNTIMES, "a100": FULL_RUNTIME})
+    backend = KubernetesBackend(
+        namespace=namespace,
+        runtimes={**BUILTIN_RUNTIMES, "a100": FULL_RUNTIME},
+        **BACKEND_OPTIONS.get(name, {}),  # type: ignore[arg-type]
+    )
     return backend.render(backend.plan(spec, identity, extra_env))
 
 

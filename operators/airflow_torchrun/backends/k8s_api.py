@@ -135,18 +135,42 @@ def list_jobs(ns: str, label_selector: str) -> Request:
     return Request("GET", _jobs(ns), query=(("labelSelector", label_selector),))
 
 
-def delete_job(ns: str, name: str) -> Request:
-    """Foreground: the pods go first, then the Job (and the Service it owns). Gone already is fine."""
+def _delete_options(uid: str | None, propagation: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+    if propagation:
+        body["propagationPolicy"] = propagation
+    if uid:
+        body["preconditions"] = {"uid": uid}
+    return body
+
+
+def delete_job(ns: str, name: str, uid: str | None = None) -> Request:
+    """Foreground: the pods go first, then the Job (and the Service it owns). Gone already is fine.
+
+    With ``uid``, only that very Job: one of the same name that is not it (another deployment's,
+    a later launch's) fails the precondition (409), which is tolerated too: ours is gone.
+    """
     query = (("propagationPolicy", "Foreground"),)
-    return Request("DELETE", f"{_jobs(ns)}/{name}", query=query, tolerate=frozenset({404}))
+    tolerate = frozenset({404, 409}) if uid else frozenset({404})
+    return Request(
+        "DELETE", f"{_jobs(ns)}/{name}", query=query, body=_delete_options(uid, "Foreground"), tolerate=tolerate
+    )
 
 
 def create_service(ns: str, service: Mapping[str, Any]) -> Request:
     return Request("POST", _core(ns, "services"), body=service)
 
 
-def delete_service(ns: str, name: str) -> Request:
-    return Request("DELETE", f"{_core(ns, 'services')}/{name}", tolerate=frozenset({404}))
+def read_service(ns: str, name: str) -> Request:
+    """The Service, or ``None`` when it is gone."""
+    return Request("GET", f"{_core(ns, 'services')}/{name}", tolerate=frozenset({404}))
+
+
+def delete_service(ns: str, name: str, uid: str) -> Request:
+    """That very Service (uid precondition): gone already, or replaced by another, is fine."""
+    return Request(
+        "DELETE", f"{_core(ns, 'services')}/{name}", body=_delete_options(uid), tolerate=frozenset({404, 409})
+    )
 
 
 def list_pods(ns: str, label_selector: str) -> Request:

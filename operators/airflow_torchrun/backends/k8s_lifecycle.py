@@ -1,14 +1,15 @@
 """Launching, finding and tearing down a Kubernetes group, as flows shared by the sync and async path.
 
-Launch creates the Job, then the Service owned by it. When the API refuses either (a 4xx: the
-objects are invalid, not allowed, the namespace is missing) the launch fails for good; when it does
-not answer (5xx, timeouts) the launch fails retryably. Either way whatever may have been created
-is deleted first: there is no half-started group.
+Launch creates the Job, then the Service owned by it (selecting the Job's pods by its uid). When
+the API refuses either (a 4xx: the objects are invalid, not allowed, the namespace is missing)
+the launch fails for good; when it does not answer (5xx, timeouts) the launch fails retryably.
+Either way whatever of this group may have been created is deleted first (by uid, never another's
+object of the same name): there is no half-started group.
 
 A Job of the very same name that is already there (409) is ours from an earlier attempt of this
-same launch (the name derives from dag, task, run, map index, try and relaunch): one that failed
-half-way, or whose create timed out after the server had made it. It is deleted and created
-anew, never attached to: this launch owns exactly the group it was asked for (its environment,
+same launch (the name derives from deployment, dag, task, run, map index, try and relaunch): one
+that failed half-way, or whose create timed out after the server had made it. It is deleted (by
+its uid) and created anew, never attached to: this launch owns exactly the group it was asked for (its environment,
 resume point included, may differ from the earlier attempt's). Attaching to a live group of an
 earlier *try* is :func:`find_flow`'s job, before any launch.
 """
@@ -41,7 +42,7 @@ from airflow_torchrun.backends.k8s_render import (
     GROUP_LABEL,
     INSTANCE_LABEL,
     RenderedGroup,
-    owner_reference,
+    service_for_job,
 )
 from airflow_torchrun.backends.k8s_status import parse_time, pod_observation
 from airflow_torchrun.errors import GroupLaunchError, TorchrunError
@@ -67,7 +68,7 @@ def _kubectl_delete(ns: str, name: str) -> str:
 # -- launch -----------------------------------------------------------------------------------
 def launch_flow(rendered: RenderedGroup) -> Flow[dict[str, Any]]:
     """Create the Job, then its Service; the created Job. Raises ``GroupLaunchError``."""
-    ns, name = rendered.namespace, rendered.name
+    ns = rendered.namespace
     try:
         try:
             created: dict[str, Any] = yield api.create_job(ns, rendered.job)
@@ -77,22 +78,23 @@ def launch_flow(rendered: RenderedGroup) -> Flow[dict[str, Any]]:
             created = yield from _replace_earlier_attempt(rendered, exc)
     except ClusterApiError as exc:
         # No answer or a 5xx: the server may have made the Job all the same. A 4xx made nothing.
-        cleaned = (yield from _delete_quietly(ns, name)) if exc.status is None or exc.transient else True
+        cleaned = (yield from _delete_quietly(rendered, None)) if exc.status is None or exc.transient else True
         raise launch_error(exc, rendered, "Job", cleaned) from exc
-    meta = rendered.service["metadata"]
-    service = {**rendered.service, "metadata": {**meta, "ownerReferences": [owner_reference(created)]}}
+    service = service_for_job(rendered.service, created)
+    uid = created["metadata"]["uid"]
     try:
         try:
             yield api.create_service(ns, service)
         except ClusterApiError as exc:
             if exc.status != 409:
                 raise
-            # A Service left from an earlier Job of this name (garbage collection lags): replace it.
-            yield api.delete_service(ns, name)
-            yield api.create_service(ns, service)
+            yield from _replace_service(rendered, service, exc)
     except ClusterApiError as exc:
-        cleaned = yield from _delete_quietly(ns, name)
+        cleaned = yield from _delete_quietly(rendered, uid)
         raise launch_error(exc, rendered, "Service", cleaned) from exc
+    except GroupLaunchError:
+        yield from _delete_quietly(rendered, uid)
+        raise
     return created
 
 
@@ -101,13 +103,14 @@ def _replace_earlier_attempt(rendered: RenderedGroup, conflict: ClusterApiError)
     existing: dict[str, Any] | None = yield api.read_job(ns, name)
     if existing is not None and not _same_group(existing, rendered.job):
         raise GroupLaunchError(
-            f"a Job {ns}/{name} exists that airflow-torchrun did not create for this group; delete it "
-            f"({_kubectl_delete(ns, name)}) or use another namespace",
+            f"a Job {ns}/{name} exists that airflow-torchrun did not create for this group (another Airflow "
+            "deployment's? see [torchrun] deployment); nothing was changed. Delete it "
+            f"({_kubectl_delete(ns, name)}) if it is a leftover, or use another namespace",
             transient=False,
         ) from conflict
     if existing is not None and not existing["metadata"].get("deletionTimestamp"):
         log.warning("Job %s/%s is left from an earlier attempt of this launch: deleting it to start afresh", ns, name)
-        yield api.delete_job(ns, name)
+        yield api.delete_job(ns, name, existing["metadata"].get("uid"))
     pod_spec = ((existing or {}).get("spec") or {}).get("template", {}).get("spec", {})
     wait = float(pod_spec.get("terminationGracePeriodSeconds", 30)) + RECREATE_WAIT_EXTRA_SECONDS
     deadline = time.monotonic() + wait
@@ -124,6 +127,32 @@ def _replace_earlier_attempt(rendered: RenderedGroup, conflict: ClusterApiError)
     return created
 
 
+def _replace_service(rendered: RenderedGroup, service: dict[str, Any], conflict: ClusterApiError) -> Flow[None]:
+    """A Service of the group's name is there: one left from an earlier Job of this very group
+    (garbage collection lags) is replaced; anyone else's is left alone and the launch fails."""
+    ns, name = rendered.namespace, rendered.name
+    existing: dict[str, Any] | None = yield api.read_service(ns, name)
+    if existing is not None:
+        if not _same_instance(existing, rendered.service):
+            raise GroupLaunchError(
+                f"a Service {ns}/{name} exists that airflow-torchrun did not create for this group; nothing was "
+                f"changed. Delete it (`kubectl delete service -n {ns} {name}`) if it is a leftover, or use "
+                "another namespace",
+                transient=False,
+            ) from conflict
+        yield api.delete_service(ns, name, existing["metadata"]["uid"])
+    yield api.create_service(ns, service)
+
+
+def _identity_key(obj: Mapping[str, Any]) -> tuple[object, object]:
+    meta = obj.get("metadata") or {}
+    return (meta.get("labels") or {}).get(INSTANCE_LABEL), (meta.get("labels") or {}).get(GROUP_LABEL)
+
+
+def _same_instance(existing: Mapping[str, Any], ours: Mapping[str, Any]) -> bool:
+    return _identity_key(existing) == _identity_key(ours)
+
+
 def _same_group(existing: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
     def key(obj: Mapping[str, Any]) -> tuple[object, object]:
         meta = obj.get("metadata") or {}
@@ -132,11 +161,18 @@ def _same_group(existing: Mapping[str, Any], job: Mapping[str, Any]) -> bool:
     return key(existing) == key(job)
 
 
-def _delete_quietly(ns: str, name: str) -> Flow[bool]:
-    """Delete what a failed launch may have left; whether that is known to be done."""
+def _delete_quietly(rendered: RenderedGroup, uid: str | None) -> Flow[bool]:
+    """Delete the Job a failed launch may have left (its Service is owned by it); whether that is
+    known to be done. Without ``uid`` (the create got no answer) the Job of the group's name is
+    read first and deleted only when it is this group's, by its uid."""
+    ns, name = rendered.namespace, rendered.name
     try:
-        yield api.delete_job(ns, name)
-        yield api.delete_service(ns, name)
+        if uid is None:
+            existing: dict[str, Any] | None = yield api.read_job(ns, name)
+            if existing is None or not _same_group(existing, rendered.job):
+                return True  # nothing was made, or what is there is not ours to delete
+            uid = existing["metadata"].get("uid")
+        yield api.delete_job(ns, name, uid)
     except ClusterApiError as exc:
         log.warning("Could not delete the half-launched group %s/%s: %s", ns, name, exc)
         return False
@@ -254,7 +290,8 @@ def _newest(job: Mapping[str, Any]) -> tuple[int, int, float]:
 # -- teardown ---------------------------------------------------------------------------------
 def teardown_flow(handle: KubernetesHandle, state: GroupState) -> Flow[None]:
     """Delete the Job with Foreground propagation (its pods, then the Job; the Service is owned by
-    the Job) and the Service by name in case a launch stopped half-way. What is gone is fine.
+    the Job and goes with it). Only the Job launched (a uid precondition): another of the same
+    name is never touched. What is gone is fine.
 
     The failed nodes' log tails are kept first, for ``explain`` after the pods are gone.
     """
@@ -269,7 +306,7 @@ def teardown_flow(handle: KubernetesHandle, state: GroupState) -> Flow[None]:
     except ClusterApiError as exc:  # best effort: never block a teardown on it
         log.debug("Could not keep the log tails of %s: %s", handle.group_id, exc)
     try:
-        yield api.delete_job(ns, name)
+        yield api.delete_job(ns, name, handle.job_uid)
     except ClusterApiError as exc:
         raise TeardownError(
             f"could not delete Job {ns}/{name} ({exc}); its pods may still run. Delete it with "
@@ -277,7 +314,3 @@ def teardown_flow(handle: KubernetesHandle, state: GroupState) -> Flow[None]:
             transient=exc.transient,
         ) from exc
     log.info("Deleted Job %s/%s (propagation Foreground)", ns, name)
-    try:
-        yield api.delete_service(ns, name)
-    except ClusterApiError as exc:
-        log.warning("Could not delete Service %s/%s: %s", ns, name, exc)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_torchrun.backends import k8s_api as api
 from airflow_torchrun.backends.handles import KubernetesHandle
 from airflow_torchrun.backends.k8s_client import Flow
-from airflow_torchrun.backends.k8s_render import GROUP_LABEL
+from airflow_torchrun.backends.k8s_render import CONTROLLER_UID_LABEL, GROUP_LABEL
 from airflow_torchrun.backends.k8s_status import completion_index, needs_events, needs_workloads, node_observations
 from airflow_torchrun.status import NodeObservation, NodePhase
 
@@ -54,7 +54,25 @@ class GroupState:
 
 
 def selector(handle: KubernetesHandle) -> str:
+    """The Job's pods: by the controller-uid label the Job controller sets (its value is the
+    Job's uid), not by labels of ours that any pod could carry; by name for a handle without uid."""
+    if handle.job_uid:
+        return f"{CONTROLLER_UID_LABEL}={handle.job_uid}"
     return f"{GROUP_LABEL}={handle.job_name}"
+
+
+def owned_pods(handle: KubernetesHandle, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The pods whose controller is the handle's Job (a label can be copied, an owner is checked)."""
+    if not handle.job_uid:
+        return pods
+    return [
+        pod
+        for pod in pods
+        if any(
+            ref.get("uid") == handle.job_uid and ref.get("controller")
+            for ref in (pod.get("metadata") or {}).get("ownerReferences") or []
+        )
+    ]
 
 
 def observe_flow(handle: KubernetesHandle, state: GroupState, *, watch_seconds: float) -> Flow[list[NodeObservation]]:
@@ -67,7 +85,7 @@ def observe_flow(handle: KubernetesHandle, state: GroupState, *, watch_seconds: 
         log.warning("Job %s/%s is not the one launched (uid %s): the group is gone", ns, name, handle.job_uid)
         job = None
     listed: dict[str, Any] = yield api.list_pods(ns, selector(handle))
-    pods = api.items(listed)
+    pods = owned_pods(handle, api.items(listed))
     events: list[dict[str, Any]] = []
     workloads: list[dict[str, Any]] = []
     if needs_events(handle.num_nodes, job, pods):
@@ -87,7 +105,7 @@ def observe_flow(handle: KubernetesHandle, state: GroupState, *, watch_seconds: 
 def pods_flow(handle: KubernetesHandle, state: GroupState) -> Flow[dict[int, dict[str, Any]]]:
     """The group's pods by node rank: the last look's, else listed now."""
     if not state.pods:
-        state.pods = api.items((yield api.list_pods(handle.namespace, selector(handle))))
+        state.pods = owned_pods(handle, api.items((yield api.list_pods(handle.namespace, selector(handle)))))
     return pods_by_node(state.pods)
 
 

@@ -14,8 +14,15 @@ of the plan, that expanding the template gives exactly the command and environme
 rendered for that node (the local backend runs those).
 
 Names: the Job and the Service share one name, a DNS-1035 label of at most
-:data:`MAX_NAME_LENGTH` characters, derived from dag/task/run/map index/try (and relaunch): pods
-of an Indexed Job are called ``<name>-<index>`` in DNS, which must stay a 63-character label.
+:data:`MAX_NAME_LENGTH` characters, derived from the Airflow deployment and dag/task/run/map
+index/try (and relaunch): pods of an Indexed Job are called ``<name>-<index>`` in DNS, which must
+stay a 63-character label. The deployment (``[torchrun] deployment``) keeps two Airflow
+deployments that share a namespace (and may well share dag and run ids) apart.
+
+Shared clusters: pods run as a non-root user with a read-only root filesystem (writable
+emptyDirs at ``/tmp``, ``/dev/shm`` and the runtime's ``writable_paths``), every capability
+dropped, no service account token unless the runtime asks for it, and the Job ends itself after
+``active_deadline_seconds`` (the task's ``execution_timeout``) even when no Airflow process is left.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ TORCHRUN_LOG_DIR = "/tmp/torchrun"
 PREFIX = "airflow-torchrun/"
 GROUP_LABEL = f"{PREFIX}group"
 INSTANCE_LABEL = f"{PREFIX}instance"
+DEPLOYMENT_LABEL = f"{PREFIX}deployment"
+DEFAULT_DEPLOYMENT = "default"
+# Set by the Job controller on every pod of a Job (Kubernetes 1.27+); unlike our own labels, its
+# value (the Job's uid) is known only to whoever created or may read the Job.
+CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
@@ -59,6 +71,7 @@ ANN_RUNTIME = f"{PREFIX}runtime"
 ANN_QUEUE = f"{PREFIX}queue"
 ANN_TRY_NUMBER = f"{PREFIX}try-number"
 ANN_RELAUNCH = f"{PREFIX}relaunch"
+ANN_DEPLOYMENT = f"{PREFIX}deployment"
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _NODE_RANK_ARG = "--node-rank="
@@ -92,9 +105,12 @@ def _dns_label(text: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
 
 
-def instance_key(identity: GroupIdentity) -> str:
-    """Same value for every try of one task instance (dag, task, run, map index)."""
-    return _digest(identity.dag_id, identity.task_id, identity.run_id, identity.map_index, length=16)
+def instance_key(identity: GroupIdentity, deployment: str = DEFAULT_DEPLOYMENT) -> str:
+    """Same value for every try of one task instance (deployment, dag, task, run, map index)."""
+    parts: tuple[object, ...] = (identity.dag_id, identity.task_id, identity.run_id, identity.map_index)
+    if deployment != DEFAULT_DEPLOYMENT:  # the default keeps the names Jobs had before deployments
+        parts = (deployment, *parts)
+    return _digest(*parts, length=16)
 
 
 def relaunch_of(identity: GroupIdentity) -> int:
@@ -102,14 +118,15 @@ def relaunch_of(identity: GroupIdentity) -> int:
     return identity.relaunch
 
 
-def group_name(identity: GroupIdentity) -> str:
+def group_name(identity: GroupIdentity, deployment: str = DEFAULT_DEPLOYMENT) -> str:
     """Name of the Job and the Service: ``<dag>-<task>-<hash>-t<try>[-r<relaunch>]``.
 
     A DNS-1035 label (starts with a letter) of at most :data:`MAX_NAME_LENGTH` characters; the
-    hash of the full ids keeps long or similar ids apart, the try keeps tries apart.
+    hash of the deployment and the full ids keeps deployments and long or similar ids apart, the
+    try keeps tries apart.
     """
     relaunch = relaunch_of(identity)
-    digest = _digest(identity.dag_id, identity.task_id, identity.run_id, identity.map_index)
+    digest = instance_key(identity, deployment)[:10]
     suffix = f"-{digest}-t{identity.try_number}" + (f"-r{relaunch}" if relaunch else "")
     stem = _dns_label(f"{identity.dag_id}-{identity.task_id}")
     if not stem or not stem[0].isalpha():
@@ -132,13 +149,14 @@ def label_value(raw: str) -> str:
     return f"{cleaned}-{digest}" if cleaned else digest
 
 
-def identity_labels(identity: GroupIdentity, name: str) -> dict[str, str]:
+def identity_labels(identity: GroupIdentity, name: str, deployment: str = DEFAULT_DEPLOYMENT) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "airflow-torchrun",
         "app.kubernetes.io/component": "trainer",
         "app.kubernetes.io/managed-by": "airflow-torchrun",
         GROUP_LABEL: name,
-        INSTANCE_LABEL: instance_key(identity),
+        INSTANCE_LABEL: instance_key(identity, deployment),
+        DEPLOYMENT_LABEL: label_value(deployment),
         f"{PREFIX}dag-id": label_value(identity.dag_id),
         f"{PREFIX}task-id": label_value(identity.task_id),
         f"{PREFIX}run-id": label_value(identity.run_id),
@@ -149,9 +167,10 @@ def identity_labels(identity: GroupIdentity, name: str) -> dict[str, str]:
     return out
 
 
-def identity_annotations(identity: GroupIdentity) -> dict[str, str]:
+def identity_annotations(identity: GroupIdentity, deployment: str = DEFAULT_DEPLOYMENT) -> dict[str, str]:
     """The raw ids (label values may have been shortened or cleaned)."""
     return {
+        ANN_DEPLOYMENT: deployment,
         f"{PREFIX}dag-id": identity.dag_id,
         f"{PREFIX}task-id": identity.task_id,
         f"{PREFIX}run-id": identity.run_id,
@@ -280,11 +299,29 @@ class RenderedGroup:
         return [self.job, self.service]
 
 
-def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> RenderedGroup:
-    """The Indexed Job and headless Service that run ``plan`` with ``runtime`` in ``namespace``."""
+def termination_grace(runtime: Runtime, teardown_grace: float) -> int:
+    """The pods' ``terminationGracePeriodSeconds``: the runtime's ``termination_grace_period``,
+    else the task's ``teardown_grace`` (whole seconds, at least 1)."""
+    if runtime.termination_grace_period is not None:
+        return runtime.termination_grace_period
+    return max(1, int(teardown_grace))
+
+
+def render_group(
+    plan: GroupPlan,
+    runtime: Runtime,
+    *,
+    namespace: str,
+    deployment: str = DEFAULT_DEPLOYMENT,
+    active_deadline_seconds: int | None = None,
+) -> RenderedGroup:
+    """The Indexed Job and headless Service that run ``plan`` with ``runtime`` in ``namespace``.
+
+    ``active_deadline_seconds``: the Job's own deadline (the task's ``execution_timeout``).
+    """
     identity = plan.identity
     spec = plan.spec
-    name = group_name(identity)
+    name = group_name(identity, deployment)
     expected_master = master_addr(name, namespace)
     if plan.master_addr != expected_master:
         raise ValueError(
@@ -292,13 +329,14 @@ def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> Render
             "plan the group with KubernetesBackend.plan for the same namespace"
         )
     template = container_template(plan)
-    common_labels = {**runtime.labels, **identity_labels(identity, name)}
+    grace = termination_grace(runtime, spec.teardown_grace)
+    common_labels = {**runtime.labels, **identity_labels(identity, name, deployment)}
     job_annotations = {
         **runtime.annotations,
-        **identity_annotations(identity),
+        **identity_annotations(identity, deployment),
         ANN_GROUP_ID: plan.group_id,
         ANN_STARTUP_TIMEOUT: f"{spec.startup_timeout:g}",
-        ANN_TEARDOWN_GRACE: f"{spec.teardown_grace:g}",
+        ANN_TEARDOWN_GRACE: str(grace),
         ANN_MASTER_ADDR: plan.master_addr,
         ANN_MASTER_PORT: str(plan.master_port),
         ANN_WORLD_SIZE: str(spec.world_size),
@@ -310,9 +348,18 @@ def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> Render
         job_annotations[ANN_QUEUE] = runtime.queue
 
     non_root = runtime.run_as_user != 0
-    container_security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-    volume_mounts = [{"name": "torchrun-logs", "mountPath": TORCHRUN_LOG_DIR}]
-    volumes: list[dict[str, Any]] = [{"name": "torchrun-logs", "emptyDir": {}}]
+    container_security = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": runtime.read_only_root_filesystem,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # Writable places on a read-only root: /tmp (torchrun's logs and error files, tempfile) and
+    # whatever the runtime names.
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    for i, path in enumerate(runtime.writable_paths):
+        volume_mounts.append({"name": f"writable-{i}", "mountPath": path})
+        volumes.append({"name": f"writable-{i}", "emptyDir": {}})
     if runtime.shm_size:
         # NCCL and DataLoader workers share memory through /dev/shm; the runtime default of
         # container engines (64 MiB) breaks both.
@@ -373,7 +420,11 @@ def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> Render
         "restartPolicy": "Never",
         "subdomain": name,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": max(1, int(spec.teardown_grace)),
+        # The API token stays out of the pods unless the runtime needs it (it is an identity in
+        # the cluster for whatever code runs there).
+        "automountServiceAccountToken": runtime.automount_service_account_token,
+        # SIGTERM, then SIGKILL after this: the time a rank has to save (worker.save_if_stopping).
+        "terminationGracePeriodSeconds": grace,
         "securityContext": pod_security,
         "initContainers": [wait],
         "containers": [trainer],
@@ -418,6 +469,10 @@ def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> Render
             "spec": pod_spec,
         },
     }
+    if active_deadline_seconds is not None:
+        # A backstop: the Job ends itself (pods get SIGTERM) even when no Airflow process is left
+        # to stop it. Counted from the Job's start (for a queued Job: from its admission).
+        job_spec["activeDeadlineSeconds"] = max(1, int(active_deadline_seconds))
     if runtime.queue:
         # Kueue admits a suspended Job as a whole (gang admission) and unsuspends it.
         job_spec["suspend"] = True
@@ -437,10 +492,12 @@ def render_group(plan: GroupPlan, runtime: Runtime, *, namespace: str) -> Render
             "name": name,
             "namespace": namespace,
             "labels": dict(common_labels),
-            "annotations": identity_annotations(identity),
+            "annotations": identity_annotations(identity, deployment),
         },
         "spec": {
             "clusterIP": "None",
+            # At launch, once the Job's uid is known, the selector becomes the Job's controller-uid
+            # (service_for_job): a label that other pods cannot guess.
             "selector": {GROUP_LABEL: name},
             # Ranks resolve each other while still starting (not Ready): torchrun needs node 0's
             # name before any pod could pass a readiness probe.
@@ -457,6 +514,15 @@ def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
     """Makes the Job the Service's owner: deleting the Job garbage-collects the Service."""
     meta = job["metadata"]
     return {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"], "controller": True}
+
+
+def service_for_job(service: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
+    """The Service as created once ``job`` exists: owned by it, and selecting only its pods (by the
+    controller-uid label the Job controller sets), so no other pod can take node 0's DNS name."""
+    uid = job["metadata"]["uid"]
+    meta = {**service["metadata"], "ownerReferences": [owner_reference(job)]}
+    spec = {**service["spec"], "selector": {CONTROLLER_UID_LABEL: uid}}
+    return {**service, "metadata": meta, "spec": spec}
 
 
 def to_yaml(objects: Sequence[Mapping[str, Any]]) -> str:

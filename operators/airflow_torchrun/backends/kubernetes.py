@@ -21,6 +21,7 @@ core decides), ``launch`` turns it into ``GroupLaunchError`` after deleting what
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -43,11 +44,14 @@ from airflow_torchrun.backends.k8s_render import (
     ANN_RUNTIME,
     COMPLETION_INDEX_LABEL,
     CONTAINER,
+    CONTROLLER_UID_LABEL,
+    DEFAULT_DEPLOYMENT,
     GROUP_LABEL,
     TORCHRUN_LOG_DIR,
     RenderedGroup,
     group_name,
     instance_key,
+    label_value,
     master_addr,
     render_group,
 )
@@ -95,6 +99,11 @@ class KubernetesBackend(Backend):
     :param request_timeout: Seconds one API request may take.
     :param runtimes: The runtimes to choose from; default: those configured (see
         :mod:`airflow_torchrun.runtimes`).
+    :param deployment: The Airflow deployment's name in the Jobs' identity and labels; default
+        ``[torchrun] deployment``, else ``default``. Two deployments that share a namespace must
+        have different ones, or they could attach to each other's groups (same dag and run ids).
+    :param active_deadline_seconds: The Job's ``activeDeadlineSeconds`` (the operator passes the
+        task's ``execution_timeout``); ``None``: no deadline of the Job's own.
     """
 
     name = "kubernetes"
@@ -111,15 +120,31 @@ class KubernetesBackend(Backend):
         watch_seconds: float = 5.0,
         request_timeout: float = 30.0,
         runtimes: RuntimeCatalog | Mapping[str, Runtime] | None = None,
+        deployment: str | None = None,
+        active_deadline_seconds: float | None = None,
     ) -> None:
         problems = []
         if watch_seconds <= 0 or request_timeout <= 0:
             problems.append("watch_seconds and request_timeout must be positive numbers of seconds")
         if config_file is not None and in_cluster:
             problems.append("give config_file or in_cluster=True, not both")
+        deployment = deployment or _config("deployment") or DEFAULT_DEPLOYMENT
+        if len(deployment) > 63 or label_value(deployment) != deployment:
+            problems.append(
+                f"deployment {deployment!r} ([torchrun] deployment) must be a Kubernetes label value: at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+            )
+        if active_deadline_seconds is not None and not active_deadline_seconds > 0:
+            problems.append(
+                f"active_deadline_seconds must be a positive number of seconds, got {active_deadline_seconds!r}"
+            )
         if problems:
             raise InvalidSpecError(problems, "KubernetesBackend")
         self.namespace = namespace or _config("kubernetes_namespace") or DEFAULT_NAMESPACE
+        self.deployment = deployment
+        self.active_deadline_seconds = (
+            None if active_deadline_seconds is None else max(1, math.ceil(active_deadline_seconds))
+        )
         self.connection = Connection(
             conn_id=kubernetes_conn_id or _config("kubernetes_conn_id") or DEFAULT_CONN_ID,
             config_file=config_file,
@@ -176,7 +201,7 @@ class KubernetesBackend(Backend):
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
         """The wiring's plan with node 0's DNS name as rendezvous address. Pure."""
         runtime = self.runtime_for(spec)
-        name = group_name(identity)
+        name = group_name(identity, self.deployment)
         exposed = sorted(k for k in {**extra_env, **spec.env} if _SECRET_NAME.search(k))
         if exposed:
             # Plain env values are part of the Job object: anyone who may read Jobs sees them.
@@ -200,7 +225,13 @@ class KubernetesBackend(Backend):
 
     def render(self, group_plan: GroupPlan) -> RenderedGroup:
         """The objects :meth:`launch` would create for ``group_plan``. Pure."""
-        return render_group(group_plan, self.runtime_for(group_plan.spec), namespace=self.namespace)
+        return render_group(
+            group_plan,
+            self.runtime_for(group_plan.spec),
+            namespace=self.namespace,
+            deployment=self.deployment,
+            active_deadline_seconds=self.active_deadline_seconds,
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
     def launch(self, plan: GroupPlan, *, watch_caller: bool = True) -> KubernetesHandle:
@@ -229,7 +260,7 @@ class KubernetesBackend(Backend):
         newest (try, then relaunch) wins. Completed Jobs count, failed ones and Jobs being
         deleted do not. The handle, ``relaunch`` included, is read from the Job's annotations.
         """
-        job = self._sync.run(find_flow(self.namespace, instance_key(identity)))
+        job = self._sync.run(find_flow(self.namespace, instance_key(identity, self.deployment)))
         if job is None:
             return None
         handle = handle_from_job(job, self.connection, all_ranks_logs=self.all_ranks_logs, spec=spec)
@@ -287,8 +318,9 @@ class KubernetesBackend(Backend):
     # -- logs and failures ------------------------------------------------------------------
     def log_locations(self, handle: KubernetesHandle) -> list[str]:
         ns, name = handle.namespace, handle.job_name
+        pods = f"{CONTROLLER_UID_LABEL}={handle.job_uid}" if handle.job_uid else f"{GROUP_LABEL}={name}"
         return [
-            f"kubectl logs -n {ns} -l {GROUP_LABEL}={name},{COMPLETION_INDEX_LABEL}={n} -c {CONTAINER}"
+            f"kubectl logs -n {ns} -l {pods},{COMPLETION_INDEX_LABEL}={n} -c {CONTAINER}"
             for n in range(handle.num_nodes)
         ]
 

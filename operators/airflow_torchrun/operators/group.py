@@ -169,7 +169,19 @@ class GroupOperator(BaseOperator):
         return None
 
     def kubernetes_settings(self) -> KubernetesSettings:
-        return KubernetesSettings(namespace=self.namespace, kubernetes_conn_id=self.kubernetes_conn_id)
+        return KubernetesSettings(
+            namespace=self.namespace,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            active_deadline_seconds=self.execution_timeout_seconds(),
+        )
+
+    def tracking_uri(self) -> str | None:
+        """The MLflow store the ranks log into, when the task tracks (checked at parse time)."""
+        return None
+
+    def execution_timeout_seconds(self) -> float | None:
+        timeout = self.execution_timeout
+        return timeout.total_seconds() if timeout is not None else None
 
     # -- the spec and settings ----------------------------------------------------------------
     @property
@@ -199,6 +211,7 @@ class GroupOperator(BaseOperator):
             backend=self.backend,
             run=self.run_settings(),
             checkpoint=self.checkpoint_settings(),
+            tracking_uri=self.tracking_uri(),
         )
 
     def group_spec(self) -> GroupSpec:
@@ -262,6 +275,7 @@ class GroupOperator(BaseOperator):
                 namespace=k.namespace,
                 kubernetes_conn_id=k.kubernetes_conn_id,
                 all_ranks_logs=k.all_ranks_logs,
+                active_deadline_seconds=k.active_deadline_seconds,
             )
         return backend_for(self.backend, state_dir=state_dir())
 

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 XCOM_MLFLOW_RUN_ID = "mlflow_run_id"
 
 
+def checkpoint_base() -> str:
+    """``[torchrun] checkpoint_base``, else ``file://<state_dir>/checkpoints``."""
+    return conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
+
+
 class DistributedTrainingOperator(GroupOperator):
     """Run a ``torchrun`` training script on ``num_nodes`` x ``nproc_per_node`` ranks.
 
@@ -165,12 +170,23 @@ class DistributedTrainingOperator(GroupOperator):
             keep_last=self.keep_last,
             aws_conn_id=self.aws_conn_id,
             storage_options=self.storage_options,
+            default_base=checkpoint_base() if self.checkpoint_uri is None else None,
         )
 
     def kubernetes_settings(self) -> KubernetesSettings:
         return KubernetesSettings(
-            namespace=self.namespace, kubernetes_conn_id=self.kubernetes_conn_id, all_ranks_logs=self.all_ranks_logs
+            namespace=self.namespace,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            all_ranks_logs=self.all_ranks_logs,
+            active_deadline_seconds=self.execution_timeout_seconds(),
         )
+
+    def tracking_uri(self) -> str | None:
+        if not self.track:
+            return None
+        from airflow_torchrun.tracking import resolve_tracking_uri
+
+        return resolve_tracking_uri(self.mlflow_tracking_uri)
 
     # -- the rank contract --------------------------------------------------------------------
     def default_checkpoint_uri(self, context: Context) -> str:
@@ -181,7 +197,7 @@ class DistributedTrainingOperator(GroupOperator):
         """
         from airflow_torchrun.naming import lineage_path
 
-        base = conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
+        base = checkpoint_base()
         lineage = self.lineage(context)
         return f"{base.rstrip('/')}/{lineage_path(lineage.dag_id, lineage.run_id, lineage.task_id, lineage.map_index)}"
 
