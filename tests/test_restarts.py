@@ -132,9 +132,7 @@ def test_launches_count_restarts_separately_and_record_each() -> None:
         assert why and f"restart {n} of max_restarts=2 ({2 - n} left)" in why and why_not is None
     why, why_not = launches.decide("g3", None, _verdict(), settings, _ok)
     assert why is None and why_not and "restart budget is spent (2 of max_restarts=2)" in why_not
-    why, why_not = launches.decide(
-        "g4", None, _verdict(Outcome.PROGRESS_TIMEOUT), RunSettings(max_restarts=3), _ok
-    )
+    why, why_not = launches.decide("g4", None, _verdict(Outcome.PROGRESS_TIMEOUT), RunSettings(max_restarts=3), _ok)
     assert why and "restart 3 of max_restarts=3" in why  # a hang is restarted too
     assert [h["group_id"] for h in launches.history] == ["g1", "g2", "g4"]
     assert Launches.from_dict(launches.to_dict()) == launches  # it travels through XCom and the trigger
