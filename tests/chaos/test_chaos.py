@@ -7,12 +7,15 @@ not committed or did not verify. ``CHAOS_TRIALS`` trials per fault (``make chaos
 ``CHAOS_SEED`` fixes the random steps and ranks. Each trial is recorded in the report
 (``tests/chaos/conftest.py``) before it is judged, so a miss is counted, never hidden.
 
-Faults here that need more than the local backend are covered elsewhere and not repeated:
-storage and tracking servers stopped mid-run (``tests/test_storage_faults.py``,
-``tests/test_tracking_faults.py``), the Kubernetes API answering 5xx
+The checkpoint store's faults: moto's S3 server stopped for 20 s mid-training (checkpoints on
+``s3://``; the ranks' save fails, the restart waits out the outage within ``preflight_budget``),
+and the store out of space (a small tmpfs: the task must fail at once with a clear error, the last
+committed checkpoint intact, nothing torn taken for good; "recovered" counts exactly that).
+
+Faults covered elsewhere and not repeated here: the tracking server stopped mid-run
+(``tests/test_tracking_faults.py``), the Kubernetes API answering 5xx
 (``tests/k8s/test_operator_faults.py``), the Airflow worker killed (``tests/test_local_backend.py``
-``test_dead_caller_stops_the_group``) and the triggerer restarted
-(``tests/test_trigger.py``).
+``test_dead_caller_stops_the_group``) and the triggerer restarted (``tests/test_trigger.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pytest
 from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
 from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.wiring import NODE_RANK_VAR
+from tests import s3_fixtures
 from tests.chaos.conftest import Trial, record, trials
 from tests.conftest import ROOT, make_runner
 
@@ -154,6 +158,18 @@ def kill_while_writing(_rng: random.Random) -> Callable[[str, Path], tuple[bool,
     return inject
 
 
+def s3_outage(server: s3_fixtures.RestartableS3, seconds: float = 20.0) -> Callable[[random.Random], Any]:
+    def make(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+        def inject(_group_id: str, _dir: Path) -> tuple[bool, str]:
+            server.stop()
+            server.start_after(seconds)
+            return True, f"S3 endpoint down for {seconds:g}s"
+
+        return inject
+
+    return make
+
+
 # -- one trial --------------------------------------------------------------------------------
 class Injector(threading.Thread):
     """Waits for the first new group to reach ``step``, then injects the fault once."""
@@ -250,7 +266,62 @@ FAULTS: dict[str, tuple[Callable[[random.Random], Callable[[str, Path], tuple[bo
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_fault(run_dag: Callable[..., Any], uninterrupted: str, fault: str) -> None:
     make, task = FAULTS[fault]
-    results = [run_trial(run_dag, fault, make, uninterrupted, n, **task) for n in range(trials())]
+    _judge(fault, [run_trial(run_dag, fault, make, uninterrupted, n, **task) for n in range(trials())])
+
+
+def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str) -> None:
+    fault = "S3 endpoint down 20 s (in-try restart)"
+    server = s3_fixtures.RestartableS3()
+    server.start()
+    try:
+        results = []
+        for n in range(trials()):
+            bucket = server.s3.make_bucket()
+            task = {
+                "retries": 0,
+                "max_restarts": 2,
+                "checkpoint_uri": f"s3://{bucket}/ckpt",
+                "storage_options": server.s3.storage_options(),
+            }
+            results.append(run_trial(run_dag, fault, s3_outage(server), uninterrupted, n, **task))
+            if not server.running:
+                server.start()
+    finally:
+        server.stop()
+    _judge(fault, results)
+
+
+def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Path) -> None:
+    """A store that fills up: the task fails at once (no restart, no retry) saying the device is
+    full, the newest committed step still verifies, and nothing is left running."""
+    import subprocess
+
+    fault = "checkpoint store out of space"
+    mount = tmp_path / "small"
+    mount.mkdir()
+    # Room for two of the trainer's checkpoints (about 52 MB each with --hidden 2048), not a third.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120m", "tmpfs", str(mount)], check=False).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        for n in range(trials()):
+            root = mount / f"ckpt-{n}"
+            result = run_dag(_task(retries=2, max_restarts=2, checkpoint_uri=f"file://{root}"), imports=IMPORTS)
+            group = (result.xcom("train", key="group") or {}).get("group_id")
+            store = CheckpointStore(f"file://{root}")
+            committed = store.committed()
+            intact = bool(committed) and store.verify(committed[-1].step) == []
+            clear = "No space left on device" in result.log and "Not retrying" in result.log
+            once = result.try_number("train") == 1 and "relaunching" not in result.log
+            ok = result.state == "failed" and clear and once and intact
+            note = f"committed steps {[c.step for c in committed]}, clear error: {clear}, no relaunch: {once}"
+            left = len(group_pids(group)) if group else 0
+            trial = record(Trial(fault, True, ok, None, left, 0, None, note))
+            assert trial.recovered and trial.left_behind == 0, trial
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _judge(fault: str, results: list[Trial]) -> None:
     for t in results:
         assert t.injected, t
         assert t.recovered, t

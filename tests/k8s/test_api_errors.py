@@ -50,11 +50,15 @@ def test_observe_raises_transient_errors_during_an_outage_and_recovers(
     assert {n.phase for n in backend.observe(handle)} == {NodePhase.RUNNING}
 
 
-def test_observe_raises_a_transient_timeout_when_the_api_hangs(fake_api: FakeKubeAPI, kubeconfig) -> None:
+def test_observe_raises_a_transient_timeout_when_the_api_hangs(
+    fake_api: FakeKubeAPI, kubeconfig, backend: KubernetesBackend
+) -> None:
+    # Launched with the default timeout: on a loaded machine the fake may take longer than 0.3 s
+    # to answer a create, and the launch is not what this test is about.
+    handle, _ = running_group(fake_api, backend)
     backend = KubernetesBackend(
         namespace=NS, config_file=str(kubeconfig), watch_seconds=1.0, request_timeout=0.3, runtimes=BUILTIN_RUNTIMES
     )
-    handle, _ = running_group(fake_api, backend)
 
     window = fake_api.outage(4.0, hang=True)
     started = time.monotonic()

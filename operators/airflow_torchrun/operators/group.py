@@ -346,8 +346,10 @@ class GroupOperator(BaseOperator):
         try:
             return retry_transient(call, budget=budget, what=f"{self._where}: {what}", log=self.log)
         except Exception as exc:
-            if is_transient(exc) or isinstance(exc, TorchrunError):
+            if is_transient(exc):
                 raise self._under_policy(exc, f"{what} failed for {budget:g}s") from exc
+            if isinstance(exc, TorchrunError):
+                raise self._under_policy(exc, f"{what} failed") from exc
             raise
 
     def _under_policy(self, exc: Exception, what: str = "") -> Exception:
