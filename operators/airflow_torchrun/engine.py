@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from airflow_torchrun.backends.base import RelaunchKind
 from airflow_torchrun.compat import AirflowException
 from airflow_torchrun.errors import retry_transient
+from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class RunEngine:
             progress_timeout=s.progress_timeout,
             deadline=self.deadline,
             error_budget=s.observe_error_budget,
+            thresholds=ProgressThresholds.from_conf(),
         )
         until = time.time() + s.defer_after if defer is not None else None
         try:

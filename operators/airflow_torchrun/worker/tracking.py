@@ -397,7 +397,19 @@ class RunLogger:
             ``batch_size * WORLD_SIZE``); throughput is ``samples / step time``.
         :param timing: From :meth:`StepTimer.lap`.
         :param extra: More metrics for this step (e.g. ``lr=...``).
+
+        Every rank (MLflow or not) also feeds this step to its progress records
+        (:mod:`airflow_torchrun.worker.progress`): the task log, the watch and the training view read them.
         """
+        from airflow_torchrun.worker.progress import recorder
+
+        recorder().note(
+            step,
+            samples=samples,
+            loss=float(loss),
+            step_seconds=timing.total_seconds if timing is not None else None,
+            data_seconds=timing.data_seconds if timing is not None else None,
+        )
         if not self.enabled:
             return
         metrics: dict[str, float] = {LOSS: float(loss)}
