@@ -4,6 +4,7 @@ text, turned into one summary line, starvation and straggler warnings, and progr
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -79,7 +80,7 @@ def test_a_record_split_across_reads_is_read_once_whole() -> None:
     stream = RecordStream()
     got = []
     cuts = [0, 5, 30, len(line) - 1]  # arbitrary chunk boundaries, some inside the JSON
-    for start, end in zip(cuts, cuts[1:], strict=False):
+    for start, end in itertools.pairwise(cuts):
         got += stream.feed(line[start:end])
     assert got == []  # no newline yet
     got += stream.feed(line[cuts[-1] :])
