@@ -168,9 +168,9 @@ def test_a_healthy_run_raises_neither_warning() -> None:
 def test_sustained_data_wait_raises_starvation_once_with_what_to_try() -> None:
     board = ProgressBoard(nproc_per_node=2)
     starved = [[rec(r, s, T0 + s, step_time=0.2, data_wait=0.6) for r in range(4)] for s in range(1, 6)]
-    # One look above the threshold is a blip: it must hold for `sustain` looks.
-    assert looks(board, starved[:1]) == []
-    assert looks(board, starved[1:]) == [STARVATION]
+    # After the warm-up record, it must hold for `sustain` (3) rounds of records.
+    assert looks(board, starved[:3]) == []
+    assert looks(board, starved[3:]) == [STARVATION]
     message = board.alerts[STARVATION].message
     assert "60%" in message and "30%" in message and "num_workers" in message and "pin_memory" in message
     _up, down = board.add(healthy(9, T0 + 9))
@@ -180,20 +180,40 @@ def test_sustained_data_wait_raises_starvation_once_with_what_to_try() -> None:
 def test_a_slow_rank_is_named_with_its_node() -> None:
     board = ProgressBoard(nproc_per_node=2)
     slow = [
-        [rec(r, s, T0 + s, step_time=0.35 if r == 3 else 0.1, data_wait=0.0) for r in range(4)] for s in range(1, 4)
+        [rec(r, s, T0 + s, step_time=0.35 if r == 3 else 0.1, data_wait=0.0) for r in range(4)] for s in range(1, 5)
     ]
-    assert looks(board, slow) == [STRAGGLER]
+    # The first record of a rank is its warm-up; then three in a row.
+    assert looks(board, slow[:3]) == []
+    assert looks(board, slow[3:]) == [STRAGGLER]
     alert = next(iter(board.alerts.values()))
     assert alert.rank == 3 and alert.node_rank == 1
     assert "rank 3 on node 1" in alert.message and "3.5x" in alert.message
-    assert board.summary_line() == "step 3/100 (3%) | ETA 34s | data wait 0% | slowest rank 3 (3.5x median step)"
+    assert board.summary_line() == "step 4/100 (4%) | ETA 34s | data wait 0% | slowest rank 3 (3.5x median step)"
 
 
 def test_a_rank_just_above_the_median_is_no_straggler_and_the_factor_is_configurable() -> None:
-    records = [rec(r, 1, T0, step_time=0.12 if r == 0 else 0.1) for r in range(3)]
-    assert looks(ProgressBoard(), [records, records]) == []
+    rounds = [[rec(r, s, T0 + s, step_time=0.12 if r == 0 else 0.1) for r in range(3)] for s in range(1, 6)]
+    assert looks(ProgressBoard(), rounds) == []
     strict = ProgressBoard(thresholds=ProgressThresholds(straggler_factor=1.1))
-    assert looks(strict, [records, [*records[:1], rec(1, 2, T0 + 1, step_time=0.1)]]) == [STRAGGLER]
+    assert looks(strict, rounds) == [STRAGGLER]
+
+
+def test_a_blip_of_one_record_or_only_other_ranks_reporting_raises_nothing() -> None:
+    board = ProgressBoard()
+    steady = [[rec(r, s, T0 + s, step_time=0.1) for r in range(2)] for s in range(1, 4)]
+    blip = [[rec(1, 4, T0 + 4, step_time=0.5)], [rec(0, 4, T0 + 4, step_time=0.1)], [rec(0, 5, T0 + 5, step_time=0.1)]]
+    # Rank 1 was slow in one record; rank 0's records after it are no evidence against rank 1.
+    assert looks(board, steady + blip) == []
+
+
+def test_straggler_uses_the_time_not_spent_waiting_for_peers() -> None:
+    # Synchronous training: every rank's wall step time is the slowest's; own_time tells them apart.
+    rounds = [
+        [rec(r, s, T0 + s, step_time=0.3, own_time=0.28 if r == 1 else 0.1) for r in range(3)] for s in range(1, 5)
+    ]
+    board = ProgressBoard()
+    assert looks(board, rounds) == [STRAGGLER]
+    assert next(iter(board.alerts.values())).rank == 1
 
 
 def test_thresholds_are_validated() -> None:
@@ -217,7 +237,7 @@ def test_summary_line_reads_as_the_issue_describes() -> None:
 
 
 def test_replay_of_a_whole_log_finds_what_a_watch_would_have_warned_about() -> None:
-    records = [rec(r, s, T0 + s + r / 10, step_time=0.3 if r == 1 else 0.1) for s in range(1, 5) for r in range(2)]
+    records = [rec(r, s, T0 + s + r / 10, step_time=0.3 if r == 1 else 0.1) for s in range(1, 6) for r in range(2)]
     # Two ranks: the median is between them; rank 1 at 0.3 s vs a median of 0.2 s is 1.5x.
     _board, history = replay(records, nproc_per_node=1)
     assert [a.kind for a in history] == [STRAGGLER] and history[0].rank == 1

@@ -19,6 +19,7 @@ from airflow_torchrun.compat import AirflowException
 from airflow_torchrun.errors import retry_transient
 from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
+from airflow_torchrun.worker.progress import MARKER
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
@@ -257,6 +258,8 @@ class RunEngine:
             self.log.warning("Group %s: could not read its logs this time: %s", handle.group_id, exc)
             return
         for line in lines:
+            if MARKER in line:  # a progress record: the watch summarises them; they stay in the node logs
+                continue
             self.log.info("%s", line)
 
     def kill(self) -> None:

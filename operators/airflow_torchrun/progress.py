@@ -5,9 +5,14 @@ reads from the ranks' logs and logs :meth:`ProgressBoard.summary_line`; the trai
 builds one from the logs too. Nothing here reads a clock or a file.
 
 - **Starvation**: the median rank spends more than ``data_wait_threshold`` (default 30%) of its
-  step time waiting for data, in ``sustain`` consecutive looks with fresh records.
-- **Straggler**: one rank's mean step time is above ``straggler_factor`` (default 1.3) times the
-  median rank's, in ``sustain`` consecutive looks with fresh records (two ranks at least).
+  step time waiting for data, in ``sustain`` (default 3) consecutive rounds of records (a round:
+  every rank reported once more).
+- **Straggler**: one rank's mean step time (without waiting for peers, where the script marks
+  that with ``StepTimer.peers()``: in synchronous training every rank's wall step time is the
+  slowest one's) is above ``straggler_factor`` (default 1.3) times the
+  median of the other ranks, in ``sustain`` consecutive records of that rank (two ranks at least).
+
+A rank's first record is its warm-up (the first collectives connect the group) and is not judged.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from airflow_torchrun.worker.progress import ProgressRecord
 
 DEFAULT_DATA_WAIT_THRESHOLD = 0.30
 DEFAULT_STRAGGLER_FACTOR = 1.3
-DEFAULT_SUSTAIN = 2
+DEFAULT_SUSTAIN = 3
 
 STARVATION = "data_starvation"
 STRAGGLER = "straggler"
@@ -101,6 +106,20 @@ class ProgressSummary:
         }
 
 
+def _slowest(times: dict[int, float]) -> tuple[int, float, float, float] | None:
+    """``(rank, its time, the other ranks' median, ratio)`` of the slowest rank (two ranks at least).
+
+    Against the *other* ranks: with two ranks the median of all would be their mean, and no rank
+    could ever be more than twice it."""
+    if len(times) < 2:
+        return None
+    rank, slowest = max(times.items(), key=lambda item: (item[1], -item[0]))
+    median = statistics.median(t for r, t in times.items() if r != rank)
+    if median <= 0:
+        return None
+    return rank, slowest, median, slowest / median
+
+
 def _duration(seconds: float) -> str:
     whole = max(0, round(seconds))
     hours, rest = divmod(whole, 3600)
@@ -120,7 +139,9 @@ class ProgressBoard:
     thresholds: ProgressThresholds = field(default_factory=ProgressThresholds)
     latest: dict[int, ProgressRecord] = field(default_factory=dict)
     alerts: dict[str, Alert] = field(default_factory=dict)  # active ones, by kind (+ rank)
-    _held: dict[str, int] = field(default_factory=dict)  # consecutive fresh looks a condition held
+    _held: dict[str, int] = field(default_factory=dict)  # consecutive rounds (records) a condition held
+    _counts: dict[int, int] = field(default_factory=dict)  # records seen per rank
+    _round: int = 0
 
     @property
     def seen(self) -> bool:
@@ -132,18 +153,27 @@ class ProgressBoard:
 
     def add(self, records: Iterable[ProgressRecord]) -> tuple[list[Alert], list[Alert]]:
         """Take new records; returns ``(alerts raised, alerts cleared)`` by this look."""
-        fresh = False
+        fresh: set[int] = set()
         for record in records:
             known = self.latest.get(record.rank)
-            if known is None or (record.step, record.time) >= (known.step, known.time):
+            if known is None or (record.step, record.time) > (known.step, known.time):
                 self.latest[record.rank] = record
-                fresh = True
+                self._counts[record.rank] = self._counts.get(record.rank, 0) + 1
+                fresh.add(record.rank)
         if not fresh:
             return [], []
-        return self._evaluate()
+        return self._evaluate(fresh)
+
+    def _judged(self) -> dict[int, ProgressRecord]:
+        """Ranks past their warm-up record."""
+        return {rank: r for rank, r in self.latest.items() if self._counts.get(rank, 0) >= 2}
 
     # -- decisions ------------------------------------------------------------------------------
-    def _evaluate(self) -> tuple[list[Alert], list[Alert]]:
+    def _evaluate(self, fresh: set[int]) -> tuple[list[Alert], list[Alert]]:
+        new_round = min(self._counts.values())
+        advanced = {STARVATION} if new_round > self._round else set()
+        self._round = new_round
+        advanced |= {f"{STRAGGLER}:{rank}" for rank in fresh}
         now_holding: dict[str, Alert] = {}
         starving = self._starvation()
         if starving is not None:
@@ -153,7 +183,8 @@ class ProgressBoard:
             now_holding[f"{STRAGGLER}:{straggler.rank}"] = straggler
         raised: list[Alert] = []
         for key, alert in now_holding.items():
-            self._held[key] = self._held.get(key, 0) + 1
+            if key in advanced or key not in self._held:
+                self._held[key] = self._held.get(key, 0) + 1
             if key not in self.alerts and self._held[key] >= self.thresholds.sustain:
                 raised.append(alert)
             if key in self.alerts or self._held[key] >= self.thresholds.sustain:
@@ -165,7 +196,7 @@ class ProgressBoard:
         return raised, cleared
 
     def _starvation(self) -> Alert | None:
-        waits = [r.data_wait for r in self.latest.values() if r.data_wait is not None]
+        waits = [r.data_wait for r in self._judged().values() if r.data_wait is not None]
         if not waits:
             return None
         median = statistics.median(waits)
@@ -180,22 +211,27 @@ class ProgressBoard:
             value=round(median, 4),
         )
 
+    def _times(self, *, judged_only: bool = True) -> dict[int, float]:
+        """Each rank's step time without waiting for peers where known (in synchronous training
+        the wall step time is the same on every rank), else its wall step time."""
+        judged = self._judged() if judged_only else self.latest
+        own = {rank: r.own_time for rank, r in judged.items() if r.own_time}
+        if len(own) >= 2:
+            return own
+        return {rank: r.step_time for rank, r in judged.items() if r.step_time}
+
     def _straggler(self) -> Alert | None:
-        times = {rank: r.step_time for rank, r in self.latest.items() if r.step_time}
-        if len(times) < 2:
+        found = _slowest(self._times())
+        if found is None:
             return None
-        median = statistics.median(times.values())
-        if median <= 0:
-            return None
-        rank, slowest = max(times.items(), key=lambda item: (item[1], -item[0]))
-        ratio = slowest / median
+        rank, slowest, median, ratio = found
         factor = self.thresholds.straggler_factor
         if ratio <= factor:
             return None
         node = rank // max(1, self.nproc_per_node)
         return Alert(
             STRAGGLER,
-            f"straggler: rank {rank} on node {node} takes {ratio:.1f}x the median step time "
+            f"straggler: rank {rank} on node {node} takes {ratio:.1f}x the other ranks' median step time "
             f"({slowest:.3f}s vs {median:.3f}s; factor {factor:g}) and every step of the group waits for it. "
             "Check that node's load and CPU/GPU throttling, and whether its data shard is larger",
             rank=rank,
@@ -212,16 +248,16 @@ class ProgressBoard:
         totals = [r.total_steps for r in records if r.total_steps]
         total = max(totals) if totals else None
         rates = [r.samples_per_s for r in records if r.samples_per_s]
-        times = {r.rank: r.step_time for r in records if r.step_time}
+        walls = [r.step_time for r in records if r.step_time]
+        times = self._times(judged_only=False)
         waits = [r.data_wait for r in records if r.data_wait is not None]
         eta = None
-        if total is not None and times:
-            eta = max(0.0, (total - step) * max(times.values()))
+        if total is not None and walls:
+            eta = max(0.0, (total - step) * max(walls))
         slowest_rank = slowest_ratio = None
-        if len(times) >= 2:
-            median = statistics.median(times.values())
-            slowest_rank = max(times, key=lambda rank: (times[rank], -rank))
-            slowest_ratio = round(times[slowest_rank] / median, 3) if median > 0 else None
+        found = _slowest(times)
+        if found is not None:
+            slowest_rank, slowest_ratio = found[0], round(found[3], 3)
         return ProgressSummary(
             step=step,
             total_steps=total,

@@ -16,7 +16,8 @@ logs every ``every`` steps on rank 0 only, e.g.
 
     @torchrun-progress {"rank": 1, "step": 120, "total_steps": 460, "samples_per_s": 5120.0, ...}
 
-with the window's mean ``step_time`` (s), ``data_wait`` (fraction of the step spent waiting for
+with the window's mean ``step_time`` (s; ``own_time`` without the time spent in
+``StepTimer.peers()`` waiting for the other ranks), ``data_wait`` (fraction of the step spent waiting for
 data, when a ``StepTimer`` timing is given), ``loss`` and the wall ``time``. The rank's log is the
 one channel: the local backend's node logs and Kubernetes pod logs carry it alike, no server
 needed. :func:`parse_records` reads them back from any text, robust to other output interleaved
@@ -48,7 +49,8 @@ class ProgressRecord:
     time: float  # epoch seconds, when it was written
     total_steps: int | None = None
     samples_per_s: float | None = None  # the group's samples per second as this rank sees it
-    step_time: float | None = None  # mean seconds per step over the window
+    step_time: float | None = None  # mean seconds per step over the window (wall time)
+    own_time: float | None = None  # the same without waiting for peers (``StepTimer.peers()``)
     data_wait: float | None = None  # fraction of the window's step time spent waiting for data
     loss: float | None = None
 
@@ -65,7 +67,7 @@ class ProgressRecord:
             rank, step, stamp = data["rank"], data["step"], data["time"]
             if not (_is_int(rank) and _is_int(step) and _is_number(stamp)) or rank < 0 or step < 0:
                 return None
-            numbers = {name: data.get(name) for name in ("samples_per_s", "step_time", "data_wait", "loss")}
+            numbers = {name: data.get(name) for name in ("samples_per_s", "step_time", "own_time", "data_wait", "loss")}
             fields = {
                 name: float(v) if isinstance(v, int | float) and _is_number(v) else None for name, v in numbers.items()
             }
@@ -166,6 +168,8 @@ class ProgressRecorder:
         self._timed_steps = 0
         self._timed_total = 0.0
         self._timed_data = 0.0
+        self._timed_peers = 0.0
+        self._peer_steps = 0
         self._loss: float | None = None
 
     @property
@@ -181,6 +185,7 @@ class ProgressRecorder:
         loss: float | None = None,
         step_seconds: float | None = None,
         data_seconds: float | None = None,
+        peer_seconds: float | None = None,
     ) -> ProgressRecord | None:
         """Step ``step`` is done (or more is known of it); returns the record when one is printed."""
         if not self.enabled:
@@ -201,6 +206,9 @@ class ProgressRecorder:
             self._timed_steps += 1
             self._timed_total += step_seconds
             self._timed_data += max(0.0, min(data_seconds or 0.0, step_seconds))
+            if peer_seconds is not None:
+                self._timed_peers += max(0.0, min(peer_seconds, step_seconds))
+                self._peer_steps += 1
         final = self.total_steps is not None and step >= self.total_steps and step != self._emitted_step
         due = self._emitted_at is None or now - self._emitted_at >= self.interval
         if not (due or final) or (self._steps == 0 and self._timed_steps == 0 and not final):
@@ -220,6 +228,9 @@ class ProgressRecorder:
             total_steps=self.total_steps,
             samples_per_s=round(self.samples_per_step / step_time, 2) if self.samples_per_step and step_time else None,
             step_time=round(step_time, 6) if step_time else None,
+            own_time=round((self._timed_total - self._timed_peers) / self._timed_steps, 6)
+            if self._timed_steps and self._peer_steps and self._timed_peers > 0
+            else None,
             data_wait=round(self._timed_data / self._timed_total, 4) if self._timed_total > 0 else None,
             loss=self._loss,
         )
