@@ -13,7 +13,7 @@ export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test lint install clean bench ui
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m airflow_torchrun.demo
+
+# The Airflow UI (airflow standalone) and the MLflow UI on the demo's state; prints both URLs.
+ui: $(STAMP)
+	$(PY) -m airflow_torchrun.ui.serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
