@@ -10,6 +10,7 @@ and ``requires_access_dag``, under a simple auth manager that denies one user on
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,12 +79,21 @@ def script() -> Path:
 
 def train(run_dag: Callable[..., DagResult], script: Path, **env: str) -> DagResult:
     env = {"AIRFLOW_TORCHRUN_PROGRESS_INTERVAL": "0.3", **env}
+    # A downstream task reads the training's asset event, as a downstream DAG would.
     result = run_dag(
         f"""
-        DistributedTrainingOperator(
-            task_id="train", script={str(script)!r}, num_nodes=2, nproc_per_node=1, env={env!r},
+        ckpt = Asset(name="ckpt-" + dag.dag_id, uri="torchrun://checkpoints/" + dag.dag_id)
+        trained = DistributedTrainingOperator(
+            task_id="train", script={str(script)!r}, num_nodes=2, nproc_per_node=1, env={env!r}, outlets=[ckpt],
         )
-        """
+
+        @task(inlets=[ckpt])
+        def downstream(*, inlet_events=None):
+            print("ASSET_EXTRA " + json.dumps(dict(inlet_events[ckpt][-1].extra), sort_keys=True), flush=True)
+
+        trained >> downstream()
+        """,
+        imports="import json\nfrom airflow.sdk import Asset, task",
     )
     assert result.state == "success", result.log[-6000:]
     return result
@@ -161,6 +171,15 @@ def test_a_healthy_run_shows_every_rank_and_raises_no_warning(
     assert doc["links"]["mlflow_run"] and doc["checkpoint_uri"], doc
     tags, _metrics = mlflow_tags(result)
     assert not any(key.startswith("torchrun.") for key in tags), tags
+    # The asset event carries the checkpoint, its step and the final metrics.
+    line = next(x for x in result.log.splitlines() if "ASSET_EXTRA " in x)
+    extra, _end = json.JSONDecoder().raw_decode(line.split("ASSET_EXTRA ", 1)[1])
+    summary = result.xcom("train")
+    assert (
+        extra["checkpoint_uri"] == summary["final_checkpoint"] or extra["checkpoint_uri"] == summary["checkpoint_uri"]
+    )
+    assert extra["metrics"]["loss"] == pytest.approx(1.0 / 40), extra
+    assert result.xcom("train", key="checkpoint_url"), "the Checkpoint link has nothing to show"
     view = client.get(
         f"/view/{result.dag_id}/{quote(result.run_id, safe='')}/train",
         headers={"Authorization": f"Bearer {tokens['reader']}"},
