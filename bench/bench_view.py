@@ -107,13 +107,15 @@ def main() -> None:
         wait_for("the training to report progress", training, 300)
         time.sleep(3)  # past the warm-up
         phases: list[tuple[str, float, float]] = []
-        polls = 0
+        polls, poll_s = 0, 0.0
         for _ in range(args.phases):
             for kind in ("closed", "open"):
                 start = time.time()
                 while time.time() - start < args.phase_s:
                     if kind == "open":
+                        tick = time.perf_counter()
                         code, _doc = server.request("GET", path)
+                        poll_s += time.perf_counter() - tick
                         assert code == 200, code
                         polls += 1
                         time.sleep(args.interval)
@@ -129,7 +131,10 @@ def main() -> None:
         if rate is not None:
             rates[kind].append(rate)
     closed, opened = statistics.median(rates["closed"]), statistics.median(rates["open"])
-    print(f"run {state}; {polls} polls every {args.interval:g}s while open; phases of {args.phase_s:g}s")
+    print(
+        f"run {state}; {polls} polls every {args.interval:g}s while open ({1000 * poll_s / max(polls, 1):.0f} ms "
+        f"each); phases of {args.phase_s:g}s"
+    )
     print(f"steps/s closed {[round(r, 1) for r in rates['closed']]} open {[round(r, 1) for r in rates['open']]}")
     print(f"throughput with the view open / closed: {opened / closed:.3f} (goal >= 0.99)")
     rows = [

@@ -39,6 +39,9 @@ from airflow_torchrun.ui.document import CheckpointRow, build_document
 from airflow_torchrun.worker.progress import parse_records
 
 _FOLLOWED_MAX = 64
+# Listing a checkpoint root reads every step's marker: at most this often per group while it runs
+# (and once more after it ended), whatever the number of open views.
+CHECKPOINTS_EVERY_S = 10.0
 CanReadTaskInstances = Depends(requires_access_dag("GET", DagAccessEntity.TASK_INSTANCE))
 
 
@@ -52,7 +55,20 @@ class _Followed:
     seen: list[Alert] = field(default_factory=list)
     status: GroupStatus | None = None  # once terminal, kept: the group will not change again
     failure: str | None = None
+    checkpoints: list[CheckpointRow] = field(default_factory=list)
+    checkpoints_at: float | None = None
+    checkpoints_final: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def listed(self, uri: str | None, now: float) -> list[CheckpointRow]:
+        """The checkpoints, listed anew when the last listing is old (or the group just ended)."""
+        ended = self.status is not None and self.status.state.terminal
+        fresh = self.checkpoints_at is not None and now - self.checkpoints_at < CHECKPOINTS_EVERY_S
+        if self.checkpoints_final or (fresh and not ended):
+            return self.checkpoints
+        self.checkpoints = _checkpoints(uri)
+        self.checkpoints_at, self.checkpoints_final = now, ended
+        return self.checkpoints
 
 
 _FOLLOWED: OrderedDict[str, _Followed] = OrderedDict()
@@ -231,7 +247,8 @@ def collect(
         "map_index": map_index,
     }
     try:
-        checkpoints = _checkpoints(uri)
+        with entry.lock:
+            checkpoints = entry.listed(uri, time.time())
     except Exception as exc:  # storage away: the rest of the view still helps
         checkpoints = []
         extra["checkpoints_error"] = str(exc)
