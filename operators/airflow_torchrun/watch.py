@@ -229,7 +229,13 @@ class Watch:
 
     # -- decisions ----------------------------------------------------------------------------
     def _progressed(self, records: Sequence[ProgressRecord], now: float, notes: list[Note]) -> None:
-        raised, cleared = self.board.add(records)
+        # One record at a time, in time order: a batch (a first look at a long log, a triggerer
+        # restart) is judged as the stream it was, not by its last records alone.
+        raised, cleared = [], []
+        for record in sorted(records, key=lambda r: r.time):
+            up, down = self.board.add([record])
+            raised += up
+            cleared += down
         for alert in raised:
             notes.append(Note(logging.WARNING, f"Group {self.group_id}: {alert.message}"))
         for alert in cleared:
