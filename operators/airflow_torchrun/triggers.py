@@ -26,7 +26,7 @@ from airflow_torchrun.backends.base import backend_from_handle
 from airflow_torchrun.backends.handles import GroupHandle
 from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
-from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Note, Outcome, Verdict, Watch, WatchConfig, read_records
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Note, Outcome, Verdict, Watch, WatchConfig, read_records_async
 
 # The event's status is the watch's outcome.
 GroupEventStatus = Outcome
@@ -258,7 +258,7 @@ class GroupTrigger(BaseTrigger):
                         mark = await backend.progress_mark_async(handle)
                     except Exception as exc:  # no evidence of a hang: never a reason to give up
                         self.log.warning("Group %s: could not tell its progress: %s", handle.group_id, exc)
-                records = await asyncio.to_thread(read_records, backend, handle, self._note)
+                records = await read_records_async(backend, handle, self._note)
                 step = watch.observed(nodes, mark, time.time(), records)
             for note in step.notes:
                 self.log.log(note.level, "%s", note.message)

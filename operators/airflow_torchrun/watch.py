@@ -330,3 +330,16 @@ def read_records(backend: Backend, handle: GroupHandle, emit: Callable[[Note], N
     except Exception as exc:  # never a reason to give up on the group
         emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
         return []
+
+
+async def read_records_async(
+    backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]
+) -> list[ProgressRecord]:
+    """:func:`read_records` for the trigger (the backend's async client)."""
+    from airflow_torchrun.worker.progress import parse_records
+
+    try:
+        return parse_records(await backend.read_progress_lines_async(handle))
+    except Exception as exc:  # never a reason to give up on the group
+        emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
+        return []

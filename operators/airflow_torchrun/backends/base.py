@@ -120,6 +120,9 @@ class Backend(Protocol):
         progress records; none by default (the group's state still shows, its steps do not)."""
         return []
 
+    async def read_progress_lines_async(self, handle: Any) -> list[str]:
+        return await asyncio.to_thread(self.read_progress_lines, handle)
+
 
 # name -> (module, class): imported only when used, so parsing a DAG never loads a backend.
 _REGISTRY = {
