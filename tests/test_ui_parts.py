@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,39 @@ def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
     assert "Airflow UI  http://localhost:18080" in out and "simple_auth_manager_passwords.json.generated" in out
     assert "MLflow UI   http://localhost:15000" in out and "mlflow ui --backend-store-uri sqlite:///" in out
+
+
+def test_the_api_reads_a_failed_groups_diagnosis_and_an_earlier_tries_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_torchrun.ui import api
+    from airflow_torchrun.wiring import GroupIdentity
+
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__STATE_DIR", str(tmp_path))
+    group_id = GroupIdentity("d", "train", "r1", try_number=1).group_id
+    group = tmp_path / "groups" / group_id
+    now = time.time()
+    handle = LocalHandle(group_id=group_id, num_nodes=2, world_size=2, launched_at=now - 5, startup_timeout=60,
+                         teardown_grace=1, group_dir=str(group), master_port=1)  # fmt: skip
+    for node, code in ((0, -15), (1, 1)):
+        (group / f"node-{node}").mkdir(parents=True)
+        exit_info = {"returncode": code, "finished_at": now - (1 if node else 0)}
+        if code < 0:
+            exit_info |= {"signal": "SIGTERM", "stopped_by": "teardown"}
+        (group / f"node-{node}" / "exit.json").write_text(json.dumps(exit_info))
+        (group / f"node-{node}" / "node.log").write_text(
+            f"[node {node} rank {node}] starting\n"
+            + (
+                "[node 1 rank 1] Traceback (most recent call last):\n[node 1 rank 1] ValueError: bad batch\n"
+                if node
+                else ""
+            )
+        )
+    (group / "group.json").write_text(json.dumps(handle.to_dict()))
+    assert api._handle_of_try("d", "r1", "train", -1, 1) == handle  # what ?try_number=1 shows
+    assert api._handle_of_try("d", "r1", "train", -1, 2) is None
+    entry = api.look(handle)
+    assert entry.status is not None and entry.status.state is GroupState.FAILED
+    assert entry.failure and "ValueError: bad batch" in entry.failure, entry.failure
+    doc = build_document(ids={}, handle=handle, status=entry.status, board=entry.board, failure=entry.failure)
+    assert [r["state"] for r in doc["ranks"]] == ["stopped", "failed"] and doc["failure"] == entry.failure
