@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.conftest import ROOT
-from tests.standalone import Standalone, start_standalone
+from tests.standalone import Standalone, start_standalone, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -136,12 +135,7 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1400})
             page.set_default_timeout(60_000)
-            page.goto(f"{airflow.base_url}/dags/{DAG_ID}")
-            # Not logged in: the simple auth manager's sign-in page, then back to the DAG.
-            page.get_by_label("Username").fill(airflow.username)
-            page.get_by_label("Password").fill(airflow.password)
-            page.get_by_role("button", name="Sign in").click()
-            page.wait_for_url(f"**/dags/{DAG_ID}")
+            _login(page, airflow, f"/dags/{DAG_ID}")
 
             page.get_by_role("button", name="Trigger Dag").click()
             form = page.get_by_role("dialog")
@@ -310,7 +304,7 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
             assert conf["epochs"] == VIEW_EPOCHS and conf["learning_rate"] == 0.004, conf
 
             # The API over HTTP while it trains: every rank running, the step advancing.
-            first = _wait(f"run {run_id} training on every rank", lambda: _running_with_steps(airflow, run_id), 240)
+            first = wait_for(f"run {run_id} training on every rank", lambda: _running_with_steps(airflow, run_id), 240)
             assert first["world_size"] == 2 and first["backend"] == "local" and first["ti_state"] == "running"
             assert first["progress"]["total_steps"] and first["progress"]["updated_at"], first["progress"]
             assert set(first["progress"]) >= {"step", "total_steps", "samples_per_s", "eta_s", "data_wait"}
@@ -367,16 +361,6 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
 
 
 def wait_for_new_run(server: Standalone, before: set[str]) -> str:
-    new = _wait("the run the form triggered", lambda: _runs(server) - before, 60)
+    new = wait_for("the run the form triggered", lambda: _runs(server) - before, 60)
     assert len(new) == 1, new
     return str(next(iter(new)))
-
-
-def _wait(what: str, check: Any, deadline_s: float) -> Any:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {deadline_s:.0f}s waiting for {what}")
