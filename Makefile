@@ -13,19 +13,26 @@ export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
 
-.PHONY: demo test lint install clean bench chaos image-test
+.PHONY: demo test lint install clean bench chaos image-test ui
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
+	# setuptools leaves the metadata in the source root too; on sys.path through the editable
+	# install it makes Airflow see the distribution twice ("Plugin ... already registered").
+	rm -rf operators/*.egg-info
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m airflow_torchrun.demo
+
+# The Airflow UI (airflow standalone) and the MLflow UI on the demo's state; prints both URLs.
+ui: $(STAMP)
+	$(PY) -m airflow_torchrun.ui.serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,12 @@ module, with the state dir (shards, checkpoints, the MLflow store) in a temporar
   first training try; the task instances, XComs and the "MLflow run" extra link tell the story;
 - UI (headless Chromium driven by playwright): after logging in, the DAG's trigger form offers
   every Param with its default and bounds, and a value out of bounds is refused with the
-  server's message, creating no run.
+  server's message, creating no run;
+- UI and the plugin's API: a run triggered from the form with non-default Params, watched in the
+  task instance's "Training" tab while it trains (every rank running, the step advancing) and
+  after success (checkpoints, links); the same JSON over HTTP with the REST API's token, 401 and
+  403 without a valid one. Screenshots go to ``.state/artifacts/ui/`` (``$UI_ARTIFACTS``),
+  checked not blank.
 
 The UI test needs ``/usr/bin/chromium`` (Debian's ``chromium``) and the ``playwright`` package;
 without either it is skipped locally, and fails under CI (``CI`` set), which installs both.
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +36,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.conftest import ROOT
-from tests.standalone import Standalone, start_standalone
+from tests.standalone import Standalone, start_standalone, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -47,6 +54,9 @@ CHROMIUM_ARGS = [
 # Distinctive, so the extra link shows it comes from [torchrun] mlflow_ui_url.
 MLFLOW_UI_URL = "http://mlflow.example.test:5000"
 RUN_DEADLINE_S = 300.0
+ARTIFACTS = Path(os.environ.get("UI_ARTIFACTS") or ROOT / ".state" / "artifacts" / "ui")
+# The training view's run: long enough to be watched (3,300 steps checkpointed every 20; 100 epochs took 25 s here).
+VIEW_EPOCHS = 150
 # name -> (ARIA role of its field, default the form shows, (minimum, maximum) the field enforces or None)
 PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox"], str, tuple[str, str] | None]] = {
     "num_nodes": ("spinbutton", "2", ("1", "8")),
@@ -125,12 +135,7 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1400})
             page.set_default_timeout(60_000)
-            page.goto(f"{airflow.base_url}/dags/{DAG_ID}")
-            # Not logged in: the simple auth manager's sign-in page, then back to the DAG.
-            page.get_by_label("Username").fill(airflow.username)
-            page.get_by_label("Password").fill(airflow.password)
-            page.get_by_role("button", name="Sign in").click()
-            page.wait_for_url(f"**/dags/{DAG_ID}")
+            _login(page, airflow, f"/dags/{DAG_ID}")
 
             page.get_by_role("button", name="Trigger Dag").click()
             form = page.get_by_role("dialog")
@@ -206,3 +211,156 @@ def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Stand
     assert link, f"no 'MLflow run' link on the train task: {links}"
     assert link.startswith(f"{MLFLOW_UI_URL}/#/experiments/"), link
     assert link.endswith(f"/runs/{train['mlflow_run_id']}"), link
+    assert links.get("Checkpoint") == train["final_checkpoint"], links  # file://: the URI itself
+    version_link = airflow.ok("GET", f"{run_path}/taskInstances/register/links")["extra_links"]
+    assert version_link.get("Registered model version") == (
+        f"{MLFLOW_UI_URL}/#/models/{register['name']}/versions/{register['version']}"
+    ), version_link
+
+    # Asset events carry what downstream DAGs need (they read it through inlet_events).
+    events = airflow.ok("GET", "/api/v2/assets/events?limit=100")["asset_events"]
+    mine = {e["source_task_id"]: e["extra"] for e in events if e.get("source_run_id") == run_id}
+    assert mine["train"]["checkpoint_uri"] == train["final_checkpoint"], mine
+    assert mine["train"]["step"] == int(train["final_checkpoint"].rsplit("step-", 1)[1]), mine
+    assert "test_accuracy" in mine["train"]["metrics"], mine
+    assert (mine["register"]["model_name"], mine["register"]["version"]) == (register["name"], register["version"])
+    assert mine["register"]["aliases"] == register["aliases"], mine
+
+
+def _login(page: Any, server: Standalone, path: str) -> None:
+    page.goto(f"{server.base_url}{path}")
+    # Not logged in: the simple auth manager's sign-in page, then back where we were going.
+    page.get_by_label("Username").fill(server.username)
+    page.get_by_label("Password").fill(server.password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"**{path}")
+
+
+def _not_blank(path: Path) -> None:
+    """A screenshot that shows something: many colours, not one flat page."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        colours = image.convert("RGB").getcolors(maxcolors=1_000_000) or []
+        width, height = image.size
+    assert width > 100 and height > 100, f"{path}: {width}x{height}"
+    top_share = max(count for count, _ in colours) / (width * height)
+    assert len(colours) > 50 and top_share < 0.97, f"{path} looks blank: {len(colours)} colours, {top_share:.0%} one"
+
+
+def _raw_status(server: Standalone, path: str, token: str | None) -> int:
+    req = urllib.request.Request(f"{server.base_url}{path}")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _training(server: Standalone, run_id: str) -> dict[str, Any]:
+    return dict(
+        server.ok("GET", f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train")
+    )
+
+
+def _running_with_steps(server: Standalone, run_id: str) -> dict[str, Any] | None:
+    code, doc = server.request(
+        "GET", f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
+    )
+    if code != 200 or not isinstance(doc, dict):
+        return None
+    ranks = doc.get("ranks") or []
+    running = doc.get("state") == "running" and ranks and all(r["state"] == "running" for r in ranks)
+    return doc if running and all(r["step"] for r in ranks) else None
+
+
+def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standalone) -> None:
+    missing = _missing_browser()
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"CI must run the UI test: {missing}")
+    if missing:
+        pytest.skip(missing)
+    os.environ["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    before = _runs(airflow)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.set_default_timeout(60_000)
+            _login(page, airflow, f"/dags/{DAG_ID}")
+            page.get_by_role("button", name="Trigger Dag").click()
+            form = page.get_by_role("dialog")
+            form.get_by_role("spinbutton", name="epochs").fill(str(VIEW_EPOCHS))
+            form.get_by_role("spinbutton", name="learning_rate").fill("0.004")
+            form.get_by_role("button", name="Trigger", exact=True).click()
+            expect(form).to_be_hidden()
+            run_id = wait_for_new_run(airflow, before)
+            conf = airflow.ok("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}")["conf"]
+            assert conf["epochs"] == VIEW_EPOCHS and conf["learning_rate"] == 0.004, conf
+
+            # The API over HTTP while it trains: every rank running, the step advancing.
+            first = wait_for(f"run {run_id} training on every rank", lambda: _running_with_steps(airflow, run_id), 240)
+            assert first["world_size"] == 2 and first["backend"] == "local" and first["ti_state"] == "running"
+            assert first["progress"]["total_steps"] and first["progress"]["updated_at"], first["progress"]
+            assert set(first["progress"]) >= {"step", "total_steps", "samples_per_s", "eta_s", "data_wait"}
+            path = f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
+            assert _raw_status(airflow, path, None) == 401
+            assert _raw_status(airflow, path, "not-a-token") == 403
+
+            view = f"/dags/{DAG_ID}/runs/{quote(run_id, safe='')}/tasks/train/plugin/torchrun-training"
+            page.goto(f"{airflow.base_url}{view}")
+            frame = page.frame_locator("iframe")
+            expect(frame.locator("#group-state")).to_have_text("running")
+            rows = frame.locator("#ranks tr[data-rank]")
+            expect(rows).to_have_count(2)
+            for i in range(2):
+                expect(rows.nth(i)).to_contain_text("running")
+            step = frame.locator('#ranks tr[data-rank="0"] td.step')
+            expect(step).not_to_have_text("")
+            seen = step.inner_text()
+            expect(step).not_to_have_text(seen, timeout=30_000)  # the page refreshes itself
+            expect(frame.locator("#progress-line")).to_contain_text(f"/{first['progress']['total_steps']} (")
+            page.screenshot(path=str(ARTIFACTS / "training-running.png"))
+
+            assert airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S) == "success"
+            page.reload()
+            frame = page.frame_locator("iframe")
+            expect(frame.locator("#group-state")).to_have_text("succeeded")
+            for i in range(2):
+                expect(frame.locator("#ranks tr[data-rank]").nth(i)).to_contain_text("succeeded")
+            expect(frame.locator("#checkpoints")).to_contain_text("committed")
+            links = frame.locator("#links")
+            for name in ("MLflow run", "Checkpoint", "Registered model version"):
+                expect(links.get_by_role("link", name=name)).to_have_count(1)
+            page.screenshot(path=str(ARTIFACTS / "training-succeeded.png"))
+        finally:
+            browser.close()
+    for shot in ("training-running.png", "training-succeeded.png"):
+        _not_blank(ARTIFACTS / shot)
+
+    done = _training(airflow, run_id)
+    assert done["state"] == "succeeded" and done["ti_state"] == "success", done
+    assert [r["state"] for r in done["ranks"]] == ["succeeded", "succeeded"]
+    assert [r["exit_code"] for r in done["ranks"]] == [0, 0]
+    total = done["progress"]["total_steps"]
+    assert done["progress"]["step"] == total and total > first["progress"]["step"], done["progress"]
+    committed = [c for c in done["checkpoints"] if c["committed"]]
+    assert committed and committed[-1]["step"] == total and committed[-1]["size"] > 0, done["checkpoints"]
+    assert done["links"]["mlflow_run"].startswith(MLFLOW_UI_URL), done["links"]
+    assert done["links"]["checkpoint"] == done["final_checkpoint"], done["links"]  # file://: the URI itself
+    register = _xcom(airflow, run_id, "register")
+    assert done["links"]["model_version"] == (
+        f"{MLFLOW_UI_URL}/#/models/{register['name']}/versions/{register['version']}"
+    ), done["links"]
+    assert done["failure"] is None and len(done["launches"]) == 1 and done["alerts"] == []
+
+
+def wait_for_new_run(server: Standalone, before: set[str]) -> str:
+    new = wait_for("the run the form triggered", lambda: _runs(server) - before, 60)
+    assert len(new) == 1, new
+    return str(next(iter(new)))

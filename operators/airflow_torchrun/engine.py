@@ -19,7 +19,9 @@ from airflow_torchrun.backends.base import FailureReport, Relaunch, RelaunchKind
 from airflow_torchrun.compat import AirflowException
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
 from airflow_torchrun.errors import retry_transient
+from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
+from airflow_torchrun.worker.progress import MARKER
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
@@ -287,6 +289,7 @@ class RunEngine:
             progress_timeout=s.progress_timeout,
             deadline=self.deadline,
             error_budget=s.observe_error_budget,
+            thresholds=ProgressThresholds.from_conf(),
         )
         until = time.time() + s.defer_after if defer is not None else None
         try:
@@ -366,6 +369,8 @@ class RunEngine:
             self.log.warning("Group %s: could not read its logs this time: %s", handle.group_id, exc)
             return
         for line in lines:
+            if MARKER in line:  # a progress record: the watch summarises them; they stay in the node logs
+                continue
             self.log.info("%s", line)
 
     def kill(self) -> None:

@@ -1,8 +1,15 @@
-"""Extra links on training tasks: they only read XCom."""
+"""Extra links on training and registration tasks: they only read XCom.
+
+- **MLflow run** (training): the run the ranks logged into, pushed at launch.
+- **Checkpoint** (training): the final checkpoint (or the checkpoint root) in a storage console,
+  from the ``[torchrun] checkpoint_console_url`` template, pushed when training succeeds.
+- **Registered model version** (registration): the version in the MLflow UI.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from airflow_torchrun.compat import BaseOperatorLink, XCom
 
@@ -12,14 +19,67 @@ if TYPE_CHECKING:
     from airflow_torchrun.compat import BaseOperator
 
 MLFLOW_RUN_URL_KEY = "mlflow_run_url"
+CHECKPOINT_URL_KEY = "checkpoint_url"
+MODEL_VERSION_URL_KEY = "model_version_url"
+# The AWS console's page of an S3 prefix; another console (MinIO, GCS) through the config option.
+DEFAULT_S3_CONSOLE = "https://s3.console.aws.amazon.com/s3/buckets/{bucket}?prefix={key}/"
 
 
-class MlflowRunLink(BaseOperatorLink):
-    """'MLflow run': the run this task's ranks logged into (pushed by the operator at launch)."""
+def checkpoint_url(uri: str, template: str | None = None) -> str:
+    """Where a person opens ``uri``: ``[torchrun] checkpoint_console_url`` (placeholders ``{uri}``,
+    ``{bucket}``, ``{key}``, ``{path}``) for ``s3://``, the AWS console by default; a ``file://``
+    URI as is (the view shows it)."""
+    if template is None:
+        from airflow_torchrun.compat import conf
 
-    name = "MLflow run"
+        template = conf.get("torchrun", "checkpoint_console_url", fallback=None) or None
+    if uri.startswith("s3://"):
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        return (template or DEFAULT_S3_CONSOLE).format(
+            uri=quote(uri, safe=":/"), bucket=quote(bucket), key=quote(key.rstrip("/")), path=quote(key)
+        )
+    if template and "{path}" in template and uri.startswith("file://"):
+        return template.format(uri=uri, bucket="", key="", path=uri[len("file://") :])
+    return uri
+
+
+def mlflow_ui_base(tracking_uri: str) -> str:
+    """Base URL of the MLflow UI: ``[torchrun] mlflow_ui_url``, else the tracking server itself."""
+    from airflow_torchrun.compat import conf
+
+    base = tracking_uri if tracking_uri.startswith(("http://", "https://")) else None
+    return (conf.get("torchrun", "mlflow_ui_url", fallback=None) or base or "http://localhost:5000").rstrip("/")
+
+
+def model_version_url(base: str, name: str, version: int | str) -> str:
+    return f"{base.rstrip('/')}/#/models/{quote(name, safe='')}/versions/{version}"
+
+
+class _XComLink(BaseOperatorLink):
+    key = ""
 
     def get_link(self, operator: BaseOperator, *, ti_key: TaskInstanceKey) -> str:
         # Airflow types the key as read-only here and as settable in get_value; it is the same object.
-        url = XCom.get_value(key=MLFLOW_RUN_URL_KEY, ti_key=ti_key)  # type: ignore[arg-type]
+        url = XCom.get_value(key=self.key, ti_key=ti_key)  # type: ignore[arg-type]
         return str(url) if url else ""
+
+
+class MlflowRunLink(_XComLink):
+    """'MLflow run': the run this task's ranks logged into (pushed by the operator at launch)."""
+
+    name = "MLflow run"
+    key = MLFLOW_RUN_URL_KEY
+
+
+class CheckpointLink(_XComLink):
+    """'Checkpoint': the training's final checkpoint in the storage console (pushed on success)."""
+
+    name = "Checkpoint"
+    key = CHECKPOINT_URL_KEY
+
+
+class ModelVersionLink(_XComLink):
+    """'Registered model version': the version the registration created, in the MLflow UI."""
+
+    name = "Registered model version"
+    key = MODEL_VERSION_URL_KEY

@@ -51,6 +51,22 @@ CONFIG_OPTIONS = {
         "60",
         "0",
     ),
+    "checkpoint_console_url": _option(
+        "URL template of the 'Checkpoint' link and the training view for s3:// checkpoints; placeholders {uri}, "
+        "{bucket}, {key}, {path}. Default: the AWS S3 console. file:// checkpoints show their URI.",
+        None,
+        "https://minio.example.com/browser/{bucket}/{key}",
+    ),
+    "data_wait_threshold": _option(
+        "Warn of data starvation when the ranks wait for data more than this fraction of each step (sustained).",
+        "0.3",
+        "0.5",
+    ),
+    "straggler_factor": _option(
+        "Warn of a straggler when one rank's step time stays above this factor of the other ranks' median.",
+        "1.3",
+        "1.5",
+    ),
     "runtimes_file": _option(
         "YAML file of named runtimes for the Kubernetes backend.", None, "/opt/airflow/config/torchrun-runtimes.yaml"
     ),
@@ -83,7 +99,11 @@ def get_provider_info() -> dict[str, Any]:
             {"integration-name": "torchrun", "python-modules": [f"airflow_torchrun.operators.{m}" for m in modules]}
         ],
         "triggers": [{"integration-name": "torchrun", "python-modules": ["airflow_torchrun.triggers"]}],
-        "extra-links": ["airflow_torchrun.links.MlflowRunLink"],
+        "extra-links": [
+            "airflow_torchrun.links.MlflowRunLink",
+            "airflow_torchrun.links.CheckpointLink",
+            "airflow_torchrun.links.ModelVersionLink",
+        ],
         "task-decorators": [{"name": "torchrun", "class-name": "airflow_torchrun.decorators.torchrun_task"}],
         "config": {"torchrun": {"description": "Defaults for airflow-torchrun.", "options": CONFIG_OPTIONS}},
     }

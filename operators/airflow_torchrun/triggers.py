@@ -24,8 +24,9 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_torchrun.backends.base import backend_from_handle
 from airflow_torchrun.backends.handles import GroupHandle
+from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
-from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Outcome, Verdict, Watch, WatchConfig
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Note, Outcome, Verdict, Watch, WatchConfig, read_records_async
 
 # The event's status is the watch's outcome.
 GroupEventStatus = Outcome
@@ -182,6 +183,7 @@ class GroupWatch:
             progress_timeout=self.progress_timeout,
             deadline=self.deadline,
             error_budget=self.error_budget,
+            thresholds=ProgressThresholds.from_conf(),  # the triggerer reads the same [torchrun] config
         )
 
 
@@ -256,7 +258,8 @@ class GroupTrigger(BaseTrigger):
                         mark = await backend.progress_mark_async(handle)
                     except Exception as exc:  # no evidence of a hang: never a reason to give up
                         self.log.warning("Group %s: could not tell its progress: %s", handle.group_id, exc)
-                step = watch.observed(nodes, mark, time.time())
+                records = await read_records_async(backend, handle, self._note)
+                step = watch.observed(nodes, mark, time.time(), records)
             for note in step.notes:
                 self.log.log(note.level, "%s", note.message)
             if step.verdict is not None:
@@ -271,6 +274,9 @@ class GroupTrigger(BaseTrigger):
                         )
                 return GroupEvent.from_verdict(handle, step.verdict)
             await asyncio.sleep(spec.poll_interval)
+
+    def _note(self, note: Note) -> None:
+        self.log.log(note.level, "%s", note.message)
 
     async def on_kill(self) -> None:
         """The user acted on the deferred task (mark failed, clear): stop the whole group.

@@ -8,32 +8,41 @@ I/O or reads a clock: every call takes ``now`` (epoch seconds).
 Decisions:
 - the group is terminal (succeeded, failed, could not start within ``startup_timeout``);
 - ``deadline`` (the task's ``execution_timeout``) passed while it still runs;
-- no progress for ``progress_timeout`` seconds (progress records, or log growth: whatever the
-  backend's ``progress_mark`` reflects): the group looks hung;
+- no progress for ``progress_timeout`` seconds: no rank reported a new step in its progress
+  records, or, for a script that writes none, the backend's ``progress_mark`` (log growth) did not
+  change: the group looks hung;
 - looking at the group failed: a transient error (API 5xx, 429, a timeout, a connection reset)
   is tolerated until looks have failed for ``error_budget`` seconds in a row; a permanent one
   (403, a malformed answer or status file) gives up at once. Giving up never claims the group
   failed: the verdict says its state is unknown.
+
+Progress records (:mod:`airflow_torchrun.worker.progress`) fed to :meth:`Watch.observed` go to a
+:class:`~airflow_torchrun.progress.ProgressBoard`: a summary line every ``progress_every`` seconds
+(``step 1200/5000 (24%) | 3,400 samples/s | ETA 14m | data wait 12% | slowest rank 3 (1.4x median
+step)``), and a warning when data starvation or a straggler sets in (and a line when it ends).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from airflow_torchrun.errors import is_transient
+from airflow_torchrun.progress import ProgressBoard, ProgressThresholds
 from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, group_status
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
     from airflow_torchrun.backends.handles import GroupHandle
+    from airflow_torchrun.worker.progress import ProgressRecord
 
 DEFAULT_ERROR_BUDGET = 300.0
 DEFAULT_HEARTBEAT = 60.0
+DEFAULT_PROGRESS_EVERY = 30.0
 # How often a run of failed looks is reported while it lasts (the first one always is).
 ERROR_REPORT_EVERY = 30.0
 
@@ -100,6 +109,8 @@ class WatchConfig:
     deadline: float | None = None  # epoch seconds
     error_budget: float = DEFAULT_ERROR_BUDGET
     heartbeat: float = DEFAULT_HEARTBEAT
+    progress_every: float = DEFAULT_PROGRESS_EVERY  # seconds between two progress summary lines
+    thresholds: ProgressThresholds = field(default_factory=ProgressThresholds)
 
 
 @dataclass
@@ -120,6 +131,9 @@ class Watch:
     _told_no_progress: bool = False
     _heartbeat_at: float = 0.0
     _nodes: tuple[NodeObservation, ...] = field(default=())
+    board: ProgressBoard = field(default_factory=ProgressBoard)
+    _summary_at: float | None = None
+    _summary: str | None = None
 
     @classmethod
     def of(cls, handle: GroupHandle, config: WatchConfig, now: float) -> Watch:
@@ -131,12 +145,23 @@ class Watch:
             started_at=now,
             _progress_at=now,
             _heartbeat_at=now,
+            board=ProgressBoard(
+                nproc_per_node=max(1, handle.world_size // max(1, handle.num_nodes)), thresholds=config.thresholds
+            ),
         )
 
     # -- inputs -------------------------------------------------------------------------------
-    def observed(self, nodes: list[NodeObservation], mark: object | None, now: float) -> Step:
-        """One successful look: ``nodes`` as seen, ``mark`` the backend's progress mark (or None)."""
+    def observed(
+        self,
+        nodes: list[NodeObservation],
+        mark: object | None,
+        now: float,
+        records: Sequence[ProgressRecord] = (),
+    ) -> Step:
+        """One successful look: ``nodes`` as seen, ``mark`` the backend's progress mark (or None),
+        ``records`` the progress records the ranks wrote since the last look."""
         notes: list[Note] = []
+        self._progressed(records, now, notes)
         if self._failing_since is not None:
             notes.append(
                 Note(
@@ -158,7 +183,10 @@ class Watch:
             return Step(
                 Verdict(_FROM_STATE[status.state], status.reason, status.nodes, status.failed_node), tuple(notes)
             )
-        verdict = self._deadline(now) or self._progress(mark, now, notes)
+        # Records, when the script writes them, are the evidence: a rank that logs but makes no
+        # step (warnings in a loop around a stuck collective) is not progress.
+        evidence = self.board.mark() if self.board.seen else mark
+        verdict = self._deadline(now) or self._progress(evidence, now, notes)
         if verdict is None and now - self._heartbeat_at >= self.config.heartbeat:
             self._heartbeat_at = now
             notes.append(
@@ -200,6 +228,26 @@ class Watch:
         return Step(self._deadline(now), notes)
 
     # -- decisions ----------------------------------------------------------------------------
+    def _progressed(self, records: Sequence[ProgressRecord], now: float, notes: list[Note]) -> None:
+        # One record at a time, in time order: a batch (a first look at a long log, a triggerer
+        # restart) is judged as the stream it was, not by its last records alone.
+        raised, cleared = [], []
+        for record in sorted(records, key=lambda r: r.time):
+            up, down = self.board.add([record])
+            raised += up
+            cleared += down
+        for alert in raised:
+            notes.append(Note(logging.WARNING, f"Group {self.group_id}: {alert.message}"))
+        for alert in cleared:
+            notes.append(Note(logging.INFO, f"Group {self.group_id}: {alert.kind.replace('_', ' ')} is over"))
+        if not records or not self.board.seen:
+            return
+        if self._summary_at is None or now - self._summary_at >= self.config.progress_every:
+            line = self.board.summary_line()
+            if line and line != self._summary:
+                self._summary_at, self._summary = now, line
+                notes.append(Note(logging.INFO, f"Group {self.group_id}: {line}"))
+
     def _deadline(self, now: float) -> Verdict | None:
         if self.config.deadline is not None and now >= self.config.deadline:
             return Verdict(
@@ -260,7 +308,7 @@ def watch_sync(
                     mark = backend.progress_mark(handle)
                 except Exception as exc:  # no evidence of a hang: never a reason to give up on the group
                     emit(Note(logging.WARNING, f"Group {handle.group_id}: could not tell its progress: {exc}"))
-            step = watch.observed(nodes, mark, clock())
+            step = watch.observed(nodes, mark, clock(), read_records(backend, handle, emit))
         # First: after_look raises when the task was killed meanwhile, and what this look saw then
         # (a deleted Job, stopped ranks) is the kill's doing, not worth a line of its own.
         after_look()
@@ -271,3 +319,27 @@ def watch_sync(
         if until is not None and clock() >= until:
             return None
         sleep(watch.config.poll_interval)
+
+
+def read_records(backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]) -> list[ProgressRecord]:
+    """The progress records the ranks wrote since the last call; a failed read is only warned about."""
+    from airflow_torchrun.worker.progress import parse_records
+
+    try:
+        return parse_records(backend.read_progress_lines(handle))
+    except Exception as exc:  # never a reason to give up on the group
+        emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
+        return []
+
+
+async def read_records_async(
+    backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]
+) -> list[ProgressRecord]:
+    """:func:`read_records` for the trigger (the backend's async client)."""
+    from airflow_torchrun.worker.progress import parse_records
+
+    try:
+        return parse_records(await backend.read_progress_lines_async(handle))
+    except Exception as exc:  # never a reason to give up on the group
+        emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
+        return []

@@ -120,6 +120,14 @@ class Backend(Protocol):
     async def progress_mark_async(self, handle: Any) -> object | None:
         return await asyncio.to_thread(self.progress_mark, handle)
 
+    def read_progress_lines(self, handle: Any) -> list[str]:
+        """Lines of the ranks' logs written since the last call (by this instance) that may hold
+        progress records; none by default (the group's state still shows, its steps do not)."""
+        return []
+
+    async def read_progress_lines_async(self, handle: Any) -> list[str]:
+        return await asyncio.to_thread(self.read_progress_lines, handle)
+
 
 # name -> (module, class): imported only when used, so parsing a DAG never loads a backend.
 _REGISTRY = {

@@ -101,6 +101,22 @@ def new_lines_flow(handle: KubernetesHandle, state: GroupState, *, all_ranks: bo
     return out
 
 
+def progress_lines_flow(handle: KubernetesHandle, state: GroupState, marker: str) -> Flow[list[str]]:
+    """New lines of every node's log that carry ``marker`` (progress records), with cursors of
+    their own, so the task log's stream (node 0's only, by default) is not disturbed."""
+    out: list[str] = []
+    pods = yield from pods_flow(handle, state)
+    for _node_rank, pod in sorted(pods.items()):
+        if not {"running", "terminated"} & set(container_state(pod, CONTAINER)):
+            continue
+        pod_name = pod["metadata"]["name"]
+        cursor = state.cursors.setdefault(f"progress:{pod_name}", LogCursor())
+        text = yield api.pod_log(handle.namespace, pod_name, CONTAINER, since_time=cursor.since_time(), timestamps=True)
+        if text:
+            out += [line for line in cursor.feed(text) if marker in line]
+    return out
+
+
 def tail_flow(handle: KubernetesHandle, state: GroupState, node_rank: int, pod: Mapping[str, Any] | None) -> Flow[str]:
     """The last lines of a node's log (kept: a second call reads nothing). Best effort."""
     if node_rank in state.tails:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ from airflow_torchrun.backends.k8s_lifecycle import (
     launch_flow,
     teardown_flow,
 )
-from airflow_torchrun.backends.k8s_logs import new_lines_flow, progress_flow, tail_flow
+from airflow_torchrun.backends.k8s_logs import new_lines_flow, progress_flow, progress_lines_flow, tail_flow
 from airflow_torchrun.backends.k8s_observe import GroupState, observe_flow, pods_flow
 from airflow_torchrun.backends.k8s_render import (
     ANN_RUNTIME,
@@ -71,6 +72,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONN_ID = "kubernetes_default"
 DEFAULT_NAMESPACE = "default"
+PROGRESS_READ_EVERY = 5.0  # seconds between two reads of the pods' logs for progress records
 
 _SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE_KEY|ACCESS_KEY", re.IGNORECASE)
 
@@ -159,6 +161,7 @@ class KubernetesBackend(Backend):
         self._catalog = runtimes
         self._sync_hook: KubernetesHook | None = None
         self._sync = SyncExecutor(self._hook, self.request_timeout)
+        self._progress_read_at: dict[str, float] = {}
         self._groups: dict[str, GroupState] = {}
 
     @classmethod
@@ -328,6 +331,31 @@ class KubernetesBackend(Backend):
         """New lines of node 0's log (every node's with ``all_ranks_logs``)."""
         lines: list[str] = self._sync.run(new_lines_flow(handle, self._state(handle), all_ranks=self.all_ranks_logs))
         return lines
+
+    def read_progress_lines(self, handle: KubernetesHandle) -> list[str]:
+        """New progress-record lines of every node's log: one log read per pod, at most every
+        ``PROGRESS_READ_EVERY`` seconds (a watch looks far more often than records are written)."""
+        from airflow_torchrun.worker.progress import MARKER
+
+        if not self._progress_due(handle):
+            return []
+        lines: list[str] = self._sync.run(progress_lines_flow(handle, self._state(handle), MARKER))
+        return lines
+
+    async def read_progress_lines_async(self, handle: KubernetesHandle) -> list[str]:
+        from airflow_torchrun.worker.progress import MARKER
+
+        if not self._progress_due(handle):
+            return []
+        lines: list[str] = await self._run_async(progress_lines_flow(handle, self._state(handle), MARKER))
+        return lines
+
+    def _progress_due(self, handle: KubernetesHandle) -> bool:
+        now = time.monotonic()
+        if now - self._progress_read_at.get(handle.group_id, -PROGRESS_READ_EVERY) < PROGRESS_READ_EVERY:
+            return False
+        self._progress_read_at[handle.group_id] = now
+        return True
 
     def explain(self, handle: KubernetesHandle, status: GroupStatus) -> FailureReport:
         """The failing pod's platform reason and log tail, torchrun's own report when present."""

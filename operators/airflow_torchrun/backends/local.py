@@ -56,6 +56,7 @@ class LocalBackend(Backend):
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
         self._log_offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
+        self._progress_reader = _LineReader()
 
     @classmethod
     def from_handle(cls, handle: LocalHandle) -> LocalBackend:
@@ -249,6 +250,15 @@ class LocalBackend(Backend):
             )
         return None
 
+    def read_progress_lines(self, handle: LocalHandle) -> list[str]:
+        """Complete lines of the nodes' logs, since the last call, that carry a progress record."""
+        from airflow_torchrun.worker.progress import MARKER
+
+        out: list[str] = []
+        for path in self.log_locations(handle):
+            out += [line for line in self._progress_reader.read(Path(path)) if MARKER in line]
+        return out
+
     def progress_mark(self, handle: LocalHandle) -> object | None:
         """The sizes of the nodes' logs: every rank's output lands there."""
         out = []
@@ -283,6 +293,27 @@ class LocalBackend(Backend):
 
     def running_pids(self, handle: LocalHandle) -> list[int]:
         return group_pids(handle.group_id)
+
+
+class _LineReader:
+    """Complete lines appended to files since the last read (a line still being written waits)."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def read(self, path: Path) -> list[str]:
+        try:
+            with open(path, "rb") as fp:
+                fp.seek(self._offsets.get(path, 0))
+                chunk = fp.read()
+        except FileNotFoundError:
+            return []
+        self._offsets[path] = self._offsets.get(path, 0) + len(chunk)
+        *lines, rest = (self._partial.pop(path, b"") + chunk).split(b"\n")
+        if rest:
+            self._partial[path] = rest
+        return [raw.decode("utf-8", "replace") for raw in lines]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

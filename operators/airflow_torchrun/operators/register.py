@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.compat import AirflowFailException, AirflowSkipException, BaseOperator
 from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.links import ModelVersionLink
 from airflow_torchrun.spec import is_templated
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class RegisterModelOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("model_name", "run_id", "gate", "metrics", "model_artifact")
     template_fields_renderers = {"gate": "json", "metrics": "json"}
+    operator_extra_links = (ModelVersionLink(),)
     ui_color = "#d6eaf8"
 
     def __init__(
@@ -214,12 +216,14 @@ class RegisterModelOperator(BaseOperator):
                 self.model_name,
                 version.version,
             )
-            return self._result(client, version, champion=self.champion_alias in (version.aliases or []))
+            return self._publish(
+                context, self._result(client, version, champion=self.champion_alias in (version.aliases or []))
+            )
         if version is None:
             version = self._create_version(client, run_id, ti, rules, metrics)
         champion = self._set_aliases(client, version, rules, metrics)
         client.set_model_version_tag(self.model_name, str(version.version), TAG_DONE, "true")
-        return self._result(client, version, champion=champion)
+        return self._publish(context, self._result(client, version, champion=champion))
 
     def _metrics(self, client: MlflowClient, run_id: str, given: Mapping[str, Any] | None) -> dict[str, float]:
         from mlflow.exceptions import MlflowException
@@ -363,6 +367,33 @@ class RegisterModelOperator(BaseOperator):
         else:
             self.log.info("Version %s of %s stays %s only: %s", number, name, self.candidate_alias, why)
         return take
+
+    def _publish(self, context: Context, result: dict[str, Any]) -> dict[str, Any]:
+        """The version's link (XCom ``model_version_url``, the 'Registered model version' link and the
+        training view read it) and the asset event's metadata: model name, version and aliases."""
+        from airflow_torchrun.assets import annotate_outlets
+        from airflow_torchrun.links import MODEL_VERSION_URL_KEY, mlflow_ui_base, model_version_url
+        from airflow_torchrun.tracking import resolve_tracking_uri
+
+        try:
+            url = model_version_url(
+                mlflow_ui_base(resolve_tracking_uri(self.tracking_uri)), result["name"], result["version"]
+            )
+            context["ti"].xcom_push(key=MODEL_VERSION_URL_KEY, value=url)
+        except Exception as exc:  # only the link: never worth failing the registration for
+            self.log.warning("Could not build the link of %s version %s: %s", result["name"], result["version"], exc)
+        annotate_outlets(
+            context,
+            self.outlets or (),
+            {
+                "model_name": result["name"],
+                "version": result["version"],
+                "aliases": result["aliases"],
+                "run_id": result["run_id"],
+            },
+            self.log,
+        )
+        return result
 
     def _result(self, client: MlflowClient, version: ModelVersion, *, champion: bool) -> dict[str, Any]:
         fresh = client.get_model_version(self.model_name, str(version.version))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.checkpoint import RESUME_AUTO
 from airflow_torchrun.compat import conf
-from airflow_torchrun.links import MLFLOW_RUN_URL_KEY, MlflowRunLink
+from airflow_torchrun.links import CHECKPOINT_URL_KEY, MLFLOW_RUN_URL_KEY, CheckpointLink, MlflowRunLink
 from airflow_torchrun.operators.group import GroupOperator
 from airflow_torchrun.settings import CheckpointSettings, KubernetesSettings
 from airflow_torchrun.state import state_dir
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from airflow_torchrun.watch import Verdict
 
 XCOM_MLFLOW_RUN_ID = "mlflow_run_id"
+XCOM_CHECKPOINT_URI = "checkpoint_uri"
 
 
 def checkpoint_base() -> str:
@@ -131,7 +132,7 @@ class DistributedTrainingOperator(GroupOperator):
         "shard_manifest",
         "mlflow_experiment",
     )
-    operator_extra_links = (MlflowRunLink(),)
+    operator_extra_links = (MlflowRunLink(), CheckpointLink())
     ui_color = "#ee4c2c"
     ui_fgcolor = "#ffffff"
 
@@ -246,6 +247,7 @@ class DistributedTrainingOperator(GroupOperator):
                 uri,
             )
         self.checkpoint_uri = uri
+        ti.xcom_push(key=XCOM_CHECKPOINT_URI, value=uri)  # the training view lists its checkpoints while it runs
         options = self.storage_options_resolved()
         store = CheckpointStore(uri, options)
         self.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
@@ -310,6 +312,7 @@ class DistributedTrainingOperator(GroupOperator):
 
         run_id = self._run_id(context)
         if run_id:
+            self._track_warnings(run_id)
             finish_run(
                 run_id,
                 succeeded=succeeded,
@@ -317,6 +320,73 @@ class DistributedTrainingOperator(GroupOperator):
                 try_number=context["ti"].try_number,
                 budget=min(DEFAULT_FINISH_BUDGET, float(self.preflight_budget)),
             )
+
+    def _track_warnings(self, run_id: str) -> None:
+        """Starvation and straggler warnings of the whole try (replayed from the ranks' progress
+        records) as tags and metrics of the MLflow run. Best effort."""
+        from airflow_torchrun.progress import STARVATION, STRAGGLER, ProgressThresholds, replay
+        from airflow_torchrun.tracking import client
+        from airflow_torchrun.worker.progress import parse_records
+
+        engine = self._engine
+        if engine is None or engine.handle is None:
+            return
+        handle = engine.handle
+        try:
+            from airflow_torchrun.backends.base import backend_from_handle
+
+            records = parse_records(backend_from_handle(handle).read_progress_lines(handle))
+            nproc = max(1, handle.world_size // max(1, handle.num_nodes))
+            board, seen = replay(records, nproc_per_node=nproc, thresholds=ProgressThresholds.from_conf())
+            if not seen and not board.seen:
+                return
+            tags: dict[str, str] = {}
+            metrics: dict[str, float] = {}
+            starved = [a for a in seen if a.kind == STARVATION]
+            stragglers = [a for a in seen if a.kind == STRAGGLER]
+            if starved:
+                tags["torchrun.data_starvation"] = starved[-1].message[:5000]
+                metrics["torchrun_data_wait_median"] = max(a.value or 0.0 for a in starved)
+            if stragglers:
+                tags["torchrun.straggler_ranks"] = ",".join(sorted({str(a.rank) for a in stragglers}))
+                tags["torchrun.straggler"] = stragglers[-1].message[:5000]
+                metrics["torchrun_straggler_ratio"] = max(a.value or 0.0 for a in stragglers)
+            summary = board.summary()
+            if summary is not None and summary.data_wait is not None:
+                metrics["torchrun_final_data_wait"] = summary.data_wait
+            mlflow = client(self.mlflow_tracking_uri)
+            for key, value in tags.items():
+                mlflow.set_tag(run_id, key, value)
+            for key, number in metrics.items():
+                mlflow.log_metric(run_id, key, number)
+        except Exception as exc:  # never fails a finished group
+            self.log.warning("Could not record the training's warnings in MLflow run %s: %s", run_id, exc)
+
+    def _publish_checkpoint(self, context: Context, uri: str, step: int | None) -> None:
+        """The 'Checkpoint' link, and the asset event's metadata: checkpoint URI, step, final metrics."""
+        from airflow_torchrun.assets import annotate_outlets
+        from airflow_torchrun.links import checkpoint_url
+
+        try:
+            context["ti"].xcom_push(key=CHECKPOINT_URL_KEY, value=checkpoint_url(uri))
+        except Exception as exc:  # only the link
+            self.log.warning("Could not build the checkpoint's link for %s: %s", uri, exc)
+        if self.outlets:
+            extra = {"checkpoint_uri": uri, "step": step, "metrics": self._final_metrics(context)}
+            annotate_outlets(context, self.outlets, extra, self.log)
+
+    def _final_metrics(self, context: Context) -> dict[str, float]:
+        """The MLflow run's latest metrics (best effort: none when tracking is off or away)."""
+        run_id = self._run_id(context)
+        if not run_id:
+            return {}
+        try:
+            from airflow_torchrun.tracking import client
+
+            return {str(k): float(v) for k, v in client(self.mlflow_tracking_uri).get_run(run_id).data.metrics.items()}
+        except Exception as exc:
+            self.log.warning("Could not read the final metrics of MLflow run %s: %s", run_id, exc)
+            return {}
 
     def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, Any]:
         """The group's summary (XCom ``return_value``)."""
@@ -330,6 +400,7 @@ class DistributedTrainingOperator(GroupOperator):
         ref = self.preflight("reading the final checkpoint", lambda: final_checkpoint(store, self.lineage(context)))
         if ref is not None:
             self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
+        self._publish_checkpoint(context, ref.uri if ref else self.checkpoint_uri, ref.step if ref else None)
         assert self._engine is not None  # finish runs only after the engine did
         spec, backend = self._engine.spec, self._engine.backend
         return {

@@ -106,6 +106,7 @@ class StepTiming:
 
     data_seconds: float
     total_seconds: float
+    peer_seconds: float = 0.0  # spent in ``StepTimer.peers()``: waiting for the other ranks
 
     @property
     def compute_seconds(self) -> float:
@@ -128,6 +129,7 @@ class StepTimer:
 
     def __init__(self) -> None:
         self._data = 0.0
+        self._peers = 0.0
         self._last: float | None = None
 
     def _start(self) -> float:
@@ -146,6 +148,18 @@ class StepTimer:
             self._data += time.perf_counter() - started
 
     @contextmanager
+    def peers(self) -> Iterator[None]:
+        """Time spent in this block counts as waiting for the other ranks (e.g. a ``dist.barrier()``
+        before the backward pass). In synchronous training every rank's wall step time is the
+        slowest rank's; the time *not* spent waiting for peers tells which rank is slow, so
+        straggler warnings need this block."""
+        started = self._start()
+        try:
+            yield
+        finally:
+            self._peers += time.perf_counter() - started
+
+    @contextmanager
     def compute(self) -> Iterator[None]:
         """Marks the compute part of a step (it is the step time minus the data time)."""
         self._start()
@@ -155,8 +169,8 @@ class StepTimer:
         """End the current step and return its timing."""
         now = time.perf_counter()
         start = self._last if self._last is not None else now
-        timing = StepTiming(data_seconds=self._data, total_seconds=now - start)
-        self._data, self._last = 0.0, now
+        timing = StepTiming(data_seconds=self._data, total_seconds=now - start, peer_seconds=self._peers)
+        self._data, self._peers, self._last = 0.0, 0.0, now
         return timing
 
 
@@ -397,7 +411,20 @@ class RunLogger:
             ``batch_size * WORLD_SIZE``); throughput is ``samples / step time``.
         :param timing: From :meth:`StepTimer.lap`.
         :param extra: More metrics for this step (e.g. ``lr=...``).
+
+        Every rank (MLflow or not) also feeds this step to its progress records
+        (:mod:`airflow_torchrun.worker.progress`): the task log, the watch and the training view read them.
         """
+        from airflow_torchrun.worker.progress import recorder
+
+        recorder().note(
+            step,
+            samples=samples,
+            loss=float(loss),
+            step_seconds=timing.total_seconds if timing is not None else None,
+            data_seconds=timing.data_seconds if timing is not None else None,
+            peer_seconds=timing.peer_seconds if timing is not None else None,
+        )
         if not self.enabled:
             return
         metrics: dict[str, float] = {LOSS: float(loss)}

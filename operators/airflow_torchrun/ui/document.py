@@ -1,0 +1,119 @@
+"""The training view's JSON document, from what was observed of one try's group. Pure.
+
+:func:`build_document` takes the group's handle, its nodes as observed, the progress board fed
+from the ranks' records, the failure report, the checkpoints and links, and returns what
+``GET /torchrun/api/v1/dags/{dag_id}/dagRuns/{dag_run_id}/taskInstances/{task_id}`` serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_torchrun.backends.handles import GroupHandle
+from airflow_torchrun.progress import Alert, ProgressBoard
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
+
+RANK_STATES = ("pending", "running", "succeeded", "failed", "stopped")
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    step: int
+    uri: str
+    committed: bool
+    size: int | None = None  # bytes, every file of the step
+    time: float | None = None  # epoch: committed at (or last written, for a torn one)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "uri": self.uri, "committed": self.committed, "size": self.size, "time": self.time}
+
+
+def rank_state(node: NodeObservation | None) -> str:
+    """One of pending|running|succeeded|failed|stopped for every rank of ``node``."""
+    if node is None or node.phase is NodePhase.PENDING:
+        return "pending"
+    if node.phase is NodePhase.RUNNING:
+        return "running"
+    if node.phase is NodePhase.SUCCEEDED:
+        return "succeeded"
+    if node.stopped_by:
+        return "stopped"
+    return "failed"
+
+
+def build_document(
+    *,
+    ids: Mapping[str, Any],
+    handle: GroupHandle | None,
+    status: GroupStatus | None,
+    board: ProgressBoard | None,
+    alerts_seen: Sequence[Alert] = (),
+    failure: str | None = None,
+    checkpoints: Sequence[CheckpointRow] = (),
+    links: Mapping[str, str | None] | None = None,
+    launches: Sequence[Mapping[str, Any]] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The document; ``handle`` None: the try has launched no group (yet)."""
+    doc: dict[str, Any] = {
+        **ids,
+        "group_id": None,
+        "state": "pending",
+        "backend": None,
+        "world_size": None,
+        "num_nodes": None,
+        "nproc_per_node": None,
+        "launches": list(launches),
+        "ranks": [],
+        "progress": None,
+        "alerts": [],
+        "alerts_seen": [a.to_dict() for a in alerts_seen],
+        "failure": failure,
+        "checkpoints": [c.to_dict() for c in checkpoints],
+        "links": dict(links or {}),
+        **(extra or {}),
+    }
+    if handle is None:
+        return doc
+    nproc = max(1, handle.world_size // max(1, handle.num_nodes))
+    nodes = {n.node_rank: n for n in (status.nodes if status else ())}
+    ranks = []
+    for rank in range(handle.world_size):
+        node_rank, local_rank = divmod(rank, nproc)
+        node = nodes.get(node_rank)
+        record = board.latest.get(rank) if board else None
+        ranks.append(
+            {
+                "rank": rank,
+                "node_rank": node_rank,
+                "local_rank": local_rank,
+                "state": rank_state(node),
+                "exit_code": node.exit_code if node else None,
+                "signal": node.signal if node else None,
+                "reason": node.reason if node else None,
+                "step": record.step if record else None,
+                "samples_per_s": record.samples_per_s if record else None,
+                "step_time": record.step_time if record else None,
+                "data_wait": record.data_wait if record else None,
+                "loss": record.loss if record else None,
+            }
+        )
+    summary = board.summary() if board else None
+    doc.update(
+        {
+            "group_id": handle.group_id,
+            "state": status.state.value if status else "pending",
+            "backend": handle.backend,
+            "world_size": handle.world_size,
+            "num_nodes": handle.num_nodes,
+            "nproc_per_node": nproc,
+            "launched_at": handle.launched_at,
+            "ranks": ranks,
+            "progress": summary.to_dict() if summary else None,
+            "progress_line": board.summary_line() if board else None,
+            "alerts": [a.to_dict() for a in board.alerts.values()] if board else [],
+        }
+    )
+    return doc

@@ -1,0 +1,108 @@
+"""Small parts of the training view: the document's rank states, the checkpoint link, ``make ui``'s plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_torchrun.backends.handles import LocalHandle
+from airflow_torchrun.links import checkpoint_url, model_version_url
+from airflow_torchrun.progress import ProgressBoard
+from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase
+from airflow_torchrun.ui.document import RANK_STATES, build_document
+from airflow_torchrun.worker.progress import ProgressRecord
+
+
+@pytest.mark.parametrize(
+    ("uri", "template", "url"),
+    [
+        (
+            "s3://bucket/a/b/step-00000040",
+            None,
+            "https://s3.console.aws.amazon.com/s3/buckets/bucket?prefix=a/b/step-00000040/",
+        ),
+        ("s3://b/k", "http://minio:9001/browser/{bucket}/{key}", "http://minio:9001/browser/b/k"),
+        ("file:///tmp/ck/step-1", None, "file:///tmp/ck/step-1"),
+        ("file:///tmp/ck", "http://files.local{path}", "http://files.local/tmp/ck"),
+    ],
+)
+def test_checkpoint_url(uri: str, template: str | None, url: str) -> None:
+    assert checkpoint_url(uri, template) == url
+
+
+def test_model_version_url() -> None:
+    assert model_version_url("http://m:5000/", "digits mlp", 3) == "http://m:5000/#/models/digits%20mlp/versions/3"
+
+
+def test_document_gives_every_rank_its_node_state_and_progress() -> None:
+    handle = LocalHandle(group_id="g", num_nodes=2, world_size=4, launched_at=1.0, startup_timeout=60, teardown_grace=1,
+                         group_dir="/x", master_port=1)  # fmt: skip
+    nodes = (
+        NodeObservation(0, NodePhase.FAILED, exit_code=1),
+        NodeObservation(1, NodePhase.FAILED, exit_code=-15, signal="SIGTERM", stopped_by="teardown"),
+    )
+    board = ProgressBoard(nproc_per_node=2)
+    board.add([ProgressRecord(rank=3, step=7, time=2.0, total_steps=10, samples_per_s=50.0, data_wait=0.1)])
+    doc = build_document(
+        ids={"dag_id": "d"}, handle=handle, status=GroupStatus(GroupState.FAILED, nodes, 0, "x"), board=board
+    )
+    assert [(r["rank"], r["node_rank"], r["local_rank"], r["state"]) for r in doc["ranks"]] == [
+        (0, 0, 0, "failed"),
+        (1, 0, 1, "failed"),
+        (2, 1, 0, "stopped"),
+        (3, 1, 1, "stopped"),
+    ]
+    assert doc["ranks"][3]["step"] == 7 and doc["ranks"][2]["signal"] == "SIGTERM"
+    assert {r["state"] for r in doc["ranks"]} <= set(RANK_STATES)
+    assert doc["progress"]["step"] == 7 and doc["nproc_per_node"] == 2 and doc["state"] == "failed"
+    empty = build_document(ids={}, handle=None, status=None, board=None)
+    assert empty["state"] == "pending" and empty["ranks"] == []
+
+
+def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None:
+    argv = ["--dry-run", "--airflow-port", "18080", "--mlflow-port", "15000"]
+    cmd = [sys.executable, "-m", "airflow_torchrun.ui.serve", *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "Airflow UI  http://localhost:18080" in out and "simple_auth_manager_passwords.json.generated" in out
+    assert "MLflow UI   http://localhost:15000" in out and "mlflow ui --backend-store-uri sqlite:///" in out
+
+
+def test_the_api_reads_a_failed_groups_diagnosis_and_an_earlier_tries_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_torchrun.ui import api
+    from airflow_torchrun.wiring import GroupIdentity
+
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__STATE_DIR", str(tmp_path))
+    group_id = GroupIdentity("d", "train", "r1", try_number=1).group_id
+    group = tmp_path / "groups" / group_id
+    now = time.time()
+    handle = LocalHandle(group_id=group_id, num_nodes=2, world_size=2, launched_at=now - 5, startup_timeout=60,
+                         teardown_grace=1, group_dir=str(group), master_port=1)  # fmt: skip
+    for node, code in ((0, -15), (1, 1)):
+        (group / f"node-{node}").mkdir(parents=True)
+        exit_info = {"returncode": code, "finished_at": now - (1 if node else 0)}
+        if code < 0:
+            exit_info |= {"signal": "SIGTERM", "stopped_by": "teardown"}
+        (group / f"node-{node}" / "exit.json").write_text(json.dumps(exit_info))
+        (group / f"node-{node}" / "node.log").write_text(
+            f"[node {node} rank {node}] starting\n"
+            + (
+                "[node 1 rank 1] Traceback (most recent call last):\n[node 1 rank 1] ValueError: bad batch\n"
+                if node
+                else ""
+            )
+        )
+    (group / "group.json").write_text(json.dumps(handle.to_dict()))
+    assert api._handle_of_try("d", "r1", "train", -1, 1) == handle  # what ?try_number=1 shows
+    assert api._handle_of_try("d", "r1", "train", -1, 2) is None
+    entry = api.look(handle)
+    assert entry.status is not None and entry.status.state is GroupState.FAILED
+    assert entry.failure and "ValueError: bad batch" in entry.failure, entry.failure
+    doc = build_document(ids={}, handle=handle, status=entry.status, board=entry.board, failure=entry.failure)
+    assert [r["state"] for r in doc["ranks"]] == ["stopped", "failed"] and doc["failure"] == entry.failure
