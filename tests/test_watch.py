@@ -113,6 +113,23 @@ def test_progress_timeout_counts_from_the_last_change_of_the_mark() -> None:
     assert "progress_timeout=30s" in verdict.reason and "hung" in verdict.reason
 
 
+def test_a_slow_start_is_not_a_hang_but_silence_past_startup_timeout_is() -> None:
+    """Before its first output a group gets startup_timeout, not progress_timeout (imports, data
+    loading, rendezvous on a busy machine took 20 s here with nothing printed)."""
+    w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
+    assert all(w.observed(RUNNING, (0, 0), T0 + t).verdict is None for t in range(1, 120))
+    verdict = w.observed(RUNNING, (0, 0), T0 + 121).verdict
+    assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT
+    assert "since launch, with no output at all" in verdict.reason and "startup_timeout=120s" in verdict.reason
+    # Once it has said anything, progress_timeout alone applies.
+    w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
+    assert w.observed(RUNNING, (0, 0), T0 + 1).verdict is None
+    assert w.observed(RUNNING, (5, 0), T0 + 30).verdict is None
+    assert w.observed(RUNNING, (5, 0), T0 + 39).verdict is None
+    verdict = w.observed(RUNNING, (5, 0), T0 + 40).verdict
+    assert verdict is not None and "since its last progress (progress_timeout=10s)" in verdict.reason
+
+
 def test_a_backend_that_cannot_tell_progress_is_never_called_hung() -> None:
     w = core(progress_timeout=5.0)
     first = w.observed(RUNNING, None, T0 + 1)

@@ -129,6 +129,7 @@ class Watch:
     _mark: object | None = None
     _progress_at: float = 0.0
     _told_no_progress: bool = False
+    _alive: bool = False  # the progress mark changed since the first look
     _heartbeat_at: float = 0.0
     _nodes: tuple[NodeObservation, ...] = field(default=())
     board: ProgressBoard = field(default_factory=ProgressBoard)
@@ -273,12 +274,20 @@ class Watch:
             self._progress_at = now
             return None
         if mark != self._mark:
+            # A change after the first look is the group's first sign of life (output, a step).
+            self._alive = self._alive or self._mark is not None
             self._mark, self._progress_at = mark, now
             return None
-        if now - self._progress_at >= limit:
+        # Before its first sign of life a group is starting (interpreter, imports, data, rendezvous),
+        # not hung: it gets startup_timeout for that, so a slow start is never torn down as a hang.
+        allowed = limit if self._alive or self.board.seen else max(limit, self.startup_timeout)
+        if now - self._progress_at >= allowed:
+            since = "its last progress" if self._alive or self.board.seen else "launch, with no output at all"
             reason = (
-                f"no progress for {now - self._progress_at:.0f}s (progress_timeout={limit:g}s): no rank logged "
-                "or reported a step; the group looks hung (a stuck collective, a stopped rank, a deadlock)"
+                f"no progress for {now - self._progress_at:.0f}s since {since} (progress_timeout={limit:g}s"
+                f"{'' if allowed == limit else f', startup_timeout={self.startup_timeout:g}s before any output'}): "
+                "no rank logged or reported a step; the group looks hung (a stuck collective, a stopped rank, a "
+                "deadlock)"
             )
             return Verdict(Outcome.PROGRESS_TIMEOUT, reason, self._nodes)
         return None
