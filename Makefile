@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
+	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,ecosystem,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)
