@@ -104,6 +104,12 @@ def test_process_group_problem():
     ones = [{"joined": True, "world_size": 1, "rank_env": str(r)} for r in (0, 1)]
     assert "joined one of world size 1" in (diagnosis.process_group_problem(ones, 2) or "")
     assert diagnosis.process_group_problem(alone[:1], 1) is None
+    unused = [{"joined": True, "world_size": 2, "collectives": 0, "rank_env": str(r)} for r in (0, 1)]
+    assert "rank(s) 0,1 joined it but never communicated through it" in (
+        diagnosis.process_group_problem(unused, 2) or ""
+    )
+    used = [{**r, "collectives": 3} for r in unused]
+    assert diagnosis.process_group_problem(used, 2) is None
 
 
 def test_checkpoint_dir_and_placeholders():
@@ -207,9 +213,13 @@ def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypa
         tmp_path,
         """
         from torch.distributed import init_process_group, destroy_process_group
+        import torch
+        from torch.distributed import all_reduce
         init_process_group("gloo")
+        all_reduce(torch.ones(1))
         destroy_process_group()
         """,
     )
     assert proc.returncode == 0, proc.stderr
-    assert pg == {"joined": True, "rank": 0, "world_size": 1, "backend": "gloo", "rank_env": "0"}
+    # destroy_process_group() came first: what ran on the group is noted before it goes away
+    assert pg == {"joined": True, "rank": 0, "world_size": 1, "backend": "gloo", "collectives": 1, "rank_env": "0"}

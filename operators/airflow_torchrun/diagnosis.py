@@ -323,14 +323,16 @@ PROCESS_GROUP_FIXES = (
 def process_group_problem(records: Sequence[Mapping[str, Any]] | None, world_size: int) -> str | None:
     """Why the ranks did not form one group of ``world_size`` (None: they did, or nobody can tell).
 
-    ``records`` are the launchers' per-rank notes (``joined``, ``world_size``); ``None`` when the
+    ``records`` are the launchers' per-rank notes (``joined``, ``world_size``, ``collectives``: the
+    default group's sequence number when the script ended or destroyed it); ``None`` when the
     backend cannot see them (Kubernetes, ``command=``): then nothing is claimed either way.
     """
     if not records or world_size <= 1:
         return None
     alone = [r for r in records if not r.get("joined")]
     wrong = [r for r in records if r.get("joined") and r.get("world_size") != world_size]
-    if not alone and not wrong:
+    unused = [r for r in records if r.get("joined") and r.get("world_size") == world_size and r.get("collectives") == 0]
+    if not alone and not wrong and not unused:
         return None
 
     def ranks(rs: Sequence[Mapping[str, Any]]) -> str:
@@ -342,6 +344,8 @@ def process_group_problem(records: Sequence[Mapping[str, Any]] | None, world_siz
     if wrong:
         sizes = sorted({int(r.get("world_size") or 0) for r in wrong})
         what.append(f"rank(s) {ranks(wrong)} joined one of world size {'/'.join(map(str, sizes))}")
+    if unused:
+        what.append(f"rank(s) {ranks(unused)} joined it but never communicated through it (no collective ran)")
     return (
         f"every node exited 0, but the ranks did not form one process group of world size {world_size}: "
         f"{'; '.join(what)}. Each rank most likely trained on its own, as an independent copy. "

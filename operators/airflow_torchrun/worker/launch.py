@@ -97,6 +97,8 @@ class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
     without importing torch here (a script that never imports torch pays nothing)."""
 
     joined = False
+    record: dict[str, Any] | None = None
+    c10d: ModuleType | None = None
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
         if fullname != _C10D:
@@ -122,28 +124,49 @@ class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
         return spec
 
     def patch(self, c10d: ModuleType) -> None:
-        original = c10d.init_process_group
+        original_init, original_destroy = c10d.init_process_group, c10d.destroy_process_group
+        self.c10d = c10d
         watch = self
 
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
+            result = original_init(*args, **kwargs)
             try:
                 watch.joined = True
-                _write_process_group(
-                    {
-                        "joined": True,
-                        "rank": c10d.get_rank(),
-                        "world_size": c10d.get_world_size(),
-                        "backend": str(c10d.get_backend()),
-                    }
-                )
+                watch.record = {
+                    "joined": True,
+                    "rank": c10d.get_rank(),
+                    "world_size": c10d.get_world_size(),
+                    "backend": str(c10d.get_backend()),
+                }
+                _write_process_group(watch.record)
             except Exception:  # never fail a rank for the record
                 pass
             return result
 
-        init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
-        init_process_group.__doc__ = original.__doc__
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None:
+                watch.note_collectives()
+            return original_destroy(group)
+
+        for new, old in ((init_process_group, original_init), (destroy_process_group, original_destroy)):
+            new.__wrapped__ = old  # type: ignore[attr-defined]
+            new.__doc__ = old.__doc__
         c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+    def note_collectives(self) -> None:
+        """How many collectives ran on the default group (its sequence number), before it goes away:
+        a group joined and never used is N independent copies too (Trainer without ``--use_cpu``)."""
+        if self.record is None or self.c10d is None or "collectives" in self.record:
+            return
+        try:
+            if not self.c10d.is_initialized():
+                return
+            seq = self.c10d._get_default_group()._get_sequence_number_for_group()
+        except Exception:  # a backend without sequence numbers: nothing claimed
+            return
+        self.record = {**self.record, "collectives": int(seq)}
+        _write_process_group(self.record)
 
 
 def _import_phase(exc: BaseException, script: str) -> bool:
@@ -235,7 +258,9 @@ def main() -> None:
         with recorded(script, stderr):
             runpy.run_path(script, run_name="__main__")
     finally:
-        if not watch.joined:
+        if watch.joined:
+            watch.note_collectives()
+        else:
             _write_process_group({"joined": False})
 
 
