@@ -290,6 +290,8 @@ class DistributedTrainingOperator(GroupOperator):
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
         if self._tracking():
             env.update(self._tracking_env(context))
+        else:  # the extra link finds "no run" instead of logging an error for a missing XCom
+            ti.xcom_push(key=MLFLOW_RUN_URL_KEY, value=None)
         return env
 
     def _framework_checkpoint(self, store: CheckpointStore) -> FrameworkCheckpoint | None:
@@ -332,7 +334,7 @@ class DistributedTrainingOperator(GroupOperator):
     # -- the end ------------------------------------------------------------------------------
     def _run_id(self, context: Context) -> str | None:
         """This try's MLflow run: set by contract_env, or (re-entry after deferral, a new process) its XCom."""
-        if self._mlflow_run_id is None and self.track is not False:
+        if self._mlflow_run_id is None and self._tracking():
             ti = context["ti"]
             self._mlflow_run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
         return self._mlflow_run_id
