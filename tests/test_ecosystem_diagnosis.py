@@ -194,6 +194,18 @@ def test_launcher_records_the_parsers_error_line(tmp_path):
     assert "phase" not in extra
 
 
+def test_usage_error_lines():
+    from airflow_torchrun.worker.launch import usage_error
+
+    assert usage_error("usage: x\ntrain.py fit: error: argument --lr: invalid float\n") == (
+        "train.py fit: error: argument --lr: invalid float"
+    )
+    assert usage_error("usage: ...\ntip: run --help\nerror: Unrecognized arguments: --x\n") == (
+        "error: Unrecognized arguments: --x"
+    )
+    assert usage_error("Traceback...\nValueError: no error here\n") is None
+
+
 def test_launcher_marks_failures_of_module_level_imports(tmp_path):
     (tmp_path / "brokenlib.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
     _, err, _ = _launch(tmp_path, "import os\nimport brokenlib\n")

@@ -71,7 +71,7 @@ class _StderrTail:
 def usage_error(stderr_tail: str) -> str | None:
     """The last ``error:`` line a command-line parser printed (``prog: error: ...``), if any."""
     for line in reversed(stderr_tail.splitlines()):
-        if re.match(r"^(?:\S+: )?error: ", line.strip()):
+        if re.match(r"^(?:[^:]+: )?error: ", line.strip()):  # the prog may be "train.py fit"
             return line.strip()
     return None
 
