@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
+	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,ecosystem,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
 	# setuptools leaves the metadata in the source root too; on sys.path through the editable
 	# install it makes Airflow see the distribution twice ("Plugin ... already registered").
 	rm -rf operators/*.egg-info

@@ -113,6 +113,7 @@ with DAG(
         backend="{{ params.backend }}",
         runtime="cpu",
         shard_manifest=shard.output,
+        track=True,  # evaluate and register log into this MLflow run
         retries=2,
         retry_delay=timedelta(seconds=0),
         outlets=[CHECKPOINT_ASSET],

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 CHECKPOINT_URI = "TRAIN_CHECKPOINT_URI"
+# The same location as a path, for a script's own flag (``--output_dir``, ``--default_root_dir``).
+CHECKPOINT_DIR = "TRAIN_CHECKPOINT_DIR"
 RESUME_FROM = "TRAIN_RESUME_FROM"
 CHECKPOINT_KEEP_LAST = "TRAIN_CHECKPOINT_KEEP_LAST"
 CHECKPOINT_STORAGE_OPTIONS = "TRAIN_CHECKPOINT_STORAGE_OPTIONS"
@@ -31,6 +33,7 @@ STOPPED_TO_SAVE_EXIT_CODE = 75
 CONTRACT_ENV: Mapping[str, str] = MappingProxyType(
     {
         CHECKPOINT_URI: "set the operator argument checkpoint_uri=... instead",
+        CHECKPOINT_DIR: "set the operator argument checkpoint_uri=... instead (this is its path form)",
         RESUME_FROM: "set the operator argument resume=... instead (EvaluateModelOperator: checkpoint=...)",
         CHECKPOINT_KEEP_LAST: "set the operator argument keep_last=... instead",
         CHECKPOINT_STORAGE_OPTIONS: "set the operator argument storage_options=... (or aws_conn_id=...) instead",
@@ -43,3 +46,15 @@ CONTRACT_ENV: Mapping[str, str] = MappingProxyType(
         EVAL_METRICS_URI: "EvaluateModelOperator chooses it, beside checkpoint=...; remove it from env",
     }
 )
+
+
+def checkpoint_dir(uri: str) -> str:
+    """The path form of a checkpoint URI (``TRAIN_CHECKPOINT_DIR``): ``file:///a/b`` -> ``/a/b``.
+
+    Other schemes (``s3://...``) stay as they are: frameworks that write through fsspec (Lightning)
+    take them; those that need a local disk (Hugging Face Trainer's ``output_dir``) need a
+    ``file://`` checkpoint location or one of the integrations.
+    """
+    if uri.startswith("file://"):
+        return uri[len("file://") :] or "/"
+    return uri

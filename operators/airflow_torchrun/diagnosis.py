@@ -4,7 +4,11 @@ Inputs are what torchrun leaves behind: each agent's ``ChildFailedError`` summar
 code, signal of every failed local rank) and each rank's error file (written by ``@record`` or by
 :mod:`airflow_torchrun.worker.launch`: message and traceback). When one rank dies the others fail
 too (lost peers, torchrun's SIGTERM); those are *collateral* and are listed after the root cause,
-grouped, never mistaken for it. Pure: callers read the files.
+grouped, never mistaken for it. Ranks that failed with an error of their own (two ranks raising the
+same ``AssertionError``) are failures, listed as such, never called collateral. A retry cannot fix
+a script that failed while importing its modules (whatever the exception) or that refused its
+command line (exit code 2 with the parser's ``error:`` line, which then leads the message).
+Pure: callers read the files.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import json
 import re
 import signal as _signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any
 
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
 
@@ -35,6 +40,8 @@ _COLLATERAL = re.compile(
 # Errors a retry cannot fix: the script itself is broken.
 _PERMANENT = re.compile(r"^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|NameError)\b")
 TAIL_LINES = 20
+# One line of detail per group of ranks; longer ones end at a sentence or word boundary.
+DETAIL_LIMIT = 300
 _SYSTEM_EXIT = re.compile(r"^SystemExit: (-?\d+)$")
 # Peer addresses differ from rank to rank; drop them so identical failures group together.
 _ADDRESS = re.compile(r"\[?\d{1,3}(?:\.\d{1,3}){3}\]?(?::\d+)?")
@@ -50,6 +57,10 @@ class RankFailure:
     time: float | None = None
     message: str | None = None
     traceback: str | None = None
+    # From the launcher's error file: "import" when a module-level import of the script raised.
+    phase: str | None = None
+    # The command-line parser's ``error:`` line, when the rank exited with code 2 after printing it.
+    usage_error: str | None = None
 
     @property
     def collateral(self) -> bool:
@@ -59,7 +70,14 @@ class RankFailure:
 
     @property
     def retryable(self) -> bool:
+        if self.phase == "import" or self.usage_error:
+            return False
         return not (self.message and _PERMANENT.match(self.message))
+
+    @property
+    def own_error(self) -> bool:
+        """Failed with an error of its own (an exception or exit it recorded), not a peer's."""
+        return not self.collateral and (self.message is not None or self.usage_error is not None)
 
     def headline(self) -> str:
         where = f"rank {self.rank}" if self.rank is not None else "the agent"
@@ -68,10 +86,14 @@ class RankFailure:
             how = f"was killed by signal {self.signal}"
         elif self.exit_code == STOPPED_TO_SAVE_EXIT_CODE:
             how = f"stopped to save a checkpoint (exit code {self.exit_code}): it was asked to stop"
+        elif self.usage_error:
+            how = f"exited with code {self.exit_code}, a command-line error: {self.usage_error}"
         elif self.exit_code is not None:
             how = f"exited with code {self.exit_code}"
         else:
             how = "failed"
+        if self.phase == "import":
+            how += " while the script imported its modules"
         return f"{where} (node {self.node_rank}{local}) {how}"
 
 
@@ -129,14 +151,27 @@ def parse_error_file(text: str) -> tuple[int | None, str | None, str | None, flo
     )
 
 
+def _launcher_facts(text: str) -> tuple[str | None, str | None]:
+    """(phase, usage_error) that :mod:`airflow_torchrun.worker.launch` adds to an error file."""
+    try:
+        extra = json.loads(text)["message"]["extraInfo"]
+    except (ValueError, KeyError, TypeError):
+        return None, None
+    if not isinstance(extra, dict):
+        return None, None
+    phase, usage = extra.get("phase"), extra.get("usage_error")
+    return (str(phase) if phase else None, str(usage) if usage else None)
+
+
 def merge(reported: Iterable[RankFailure], error_files: Iterable[tuple[int, str]]) -> list[RankFailure]:
     """Join the agents' per-rank reports with the ranks' own error files (``(node_rank, text)``)."""
     by_rank: dict[tuple[int, int | None], RankFailure] = {(f.node_rank, f.rank): f for f in reported}
     for node_rank, text in error_files:
         rank, message, tb, when = parse_error_file(text)
+        phase, usage = _launcher_facts(text)
         key = (node_rank, rank)
         base = by_rank.get(key, RankFailure(node_rank=node_rank, rank=rank))
-        merged = replace(base, message=message, traceback=tb, time=when or base.time)
+        merged = replace(base, message=message, traceback=tb, time=when or base.time, phase=phase, usage_error=usage)
         exited = _SYSTEM_EXIT.match(message or "")
         if exited:
             # The rank chose its exit code; a C++ destructor aborting on the way out (SIGABRT with
@@ -151,6 +186,35 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure | None:
     if not failures:
         return None
     return min(failures, key=lambda f: (f.collateral, f.time if f.time is not None else float("inf")))
+
+
+def retryable(failures: Sequence[RankFailure]) -> bool:
+    """Whether a retry may help: no rank that failed on its own failed in a way a retry repeats."""
+    cause = root_cause(failures)
+    own = [f for f in failures if f is cause or f.own_error]
+    return all(f.retryable for f in own)
+
+
+def clip(text: str, limit: int = DETAIL_LIMIT) -> str:
+    """``text`` whole when short; else up to the last sentence end (or word) before ``limit``."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = max(head.rfind(". "), head.rfind("; "), head.rfind(": "))
+    if end >= limit // 3:
+        return head[: end + 1] + " [...]"
+    space = head.rfind(" ")
+    return (head[:space] if space > 0 else head) + " [...]"
+
+
+def traceback_tail(tb: str, limit: int = TAIL_LINES) -> list[str]:
+    """The last ``limit`` lines of a traceback, moved back to start on a frame's ``File`` line
+    (never on a source or ``^^^^`` marker line)."""
+    lines = tb.rstrip().splitlines()
+    start = max(0, len(lines) - limit)
+    while start > 0 and not lines[start].lstrip().startswith(("File ", "Traceback ")):
+        start -= 1
+    return lines[start:]
 
 
 def rank_lines(log_text: str, node_rank: int, rank: int | None, limit: int = TAIL_LINES) -> list[str]:
@@ -168,7 +232,8 @@ def _group_others(failures: Sequence[RankFailure]) -> list[str]:
     groups: dict[str, list[RankFailure]] = {}
     for f in failures:
         what = f.signal or (f"exit code {f.exit_code}" if f.exit_code is not None else "failed")
-        detail = _ADDRESS.sub("<addr>", f.message.splitlines()[0])[:160] if f.message else ""
+        said = f.usage_error or (f.message.splitlines()[0] if f.message else "")
+        detail = clip(_ADDRESS.sub("<addr>", said)) if said else ""
         groups.setdefault(f"{what}{': ' + detail if detail else ''}", []).append(f)
     out = []
     for what, members in groups.items():
@@ -192,21 +257,97 @@ def failure_message(
         parts.append(f"Training group {group_id} failed: {node_headline}.")
     else:
         parts.append(f"Training group {group_id} failed: {cause.headline()}.")
-        if cause.message:
+        if cause.usage_error:
+            parts.append("  The script refused its arguments (script_args); a retry would too.")
+        elif cause.message:
             parts.append(f"  {cause.message}")
-        if cause.traceback:
-            tb = cause.traceback.rstrip().splitlines()[-TAIL_LINES:]
+        if cause.phase == "import":
+            parts.append(
+                "  It failed before any of its own code ran (an import raised), so a retry would fail the same way."
+            )
+        if cause.traceback and not cause.usage_error:
             parts.append("First failure's traceback (last lines):")
-            parts.extend(f"  {line}" for line in tb)
+            parts.extend(f"  {line}" for line in traceback_tail(cause.traceback))
         if cause.signal == "SIGKILL":
             parts.append(
                 "  SIGKILL usually means the kernel's OOM killer or an operator killed the process; "
                 "check memory use per rank."
             )
-        others = [f for f in failures if f is not cause]
+        own = [f for f in failures if f is not cause and f.own_error]
+        others = [f for f in failures if f is not cause and not f.own_error]
+        if own:
+            parts.append("Also failed on their own: " + "; ".join(_group_others(own)))
         if others:
             parts.append("Then, as a consequence: " + "; ".join(_group_others(others)))
     if log_tail:
         parts.append(f"Last lines of the failing rank's log ({log_path}):")
         parts.extend(f"  {line}" for line in log_tail)
     return "\n".join(parts)
+
+
+class AgentTracebackFolder:
+    """Folds a torchrun agent's own traceback (Python frames of torchrun, ending in
+    ``ChildFailedError``) into one line of the task log; the node's log on disk keeps it whole.
+
+    Fed the agent's lines as they are read (a traceback may span two reads); a rank's lines never
+    pass through here.
+    """
+
+    def __init__(self, where: str = "") -> None:
+        self.where = where
+        self._held: list[str] | None = None
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show for ``line``: none while a traceback is being held, one when it ends."""
+        if self._held is None:
+            if line.strip() == "Traceback (most recent call last):":
+                self._held = [line]
+                return []
+            return [line]
+        if line[:1].isspace() or not line.strip():
+            self._held.append(line)
+            return []
+        held, self._held = self._held, None
+        where = f" in full in {self.where}" if self.where else " in full in the node's log"
+        return [f"{line.strip()}  (torchrun agent's traceback of {len(held)} lines folded;{where})"]
+
+
+# What makes each framework's ranks join one group on CPU; quoted when they did not.
+PROCESS_GROUP_FIXES = (
+    "Hugging Face Trainer on CPU: pass --use_cpu (TrainingArguments(use_cpu=True)); "
+    "accelerate on CPU: ACCELERATE_USE_CPU=1 (env={'ACCELERATE_USE_CPU': '1'}); "
+    "a plain script: call torch.distributed.init_process_group() (it reads torchrun's variables)"
+)
+
+
+def process_group_problem(records: Sequence[Mapping[str, Any]] | None, world_size: int) -> str | None:
+    """Why the ranks did not form one group of ``world_size`` (None: they did, or nobody can tell).
+
+    ``records`` are the launchers' per-rank notes (``joined``, ``world_size``, ``collectives``: the
+    default group's sequence number when the script ended or destroyed it); ``None`` when the
+    backend cannot see them (Kubernetes, ``command=``): then nothing is claimed either way.
+    """
+    if not records or world_size <= 1:
+        return None
+    alone = [r for r in records if not r.get("joined")]
+    wrong = [r for r in records if r.get("joined") and r.get("world_size") != world_size]
+    unused = [r for r in records if r.get("joined") and r.get("world_size") == world_size and r.get("collectives") == 0]
+    if not alone and not wrong and not unused:
+        return None
+
+    def ranks(rs: Sequence[Mapping[str, Any]]) -> str:
+        return ",".join(sorted((str(r.get("rank_env", "?")) for r in rs), key=lambda x: (len(x), x)))
+
+    what = []
+    if alone:
+        what.append(f"rank(s) {ranks(alone)} never joined a process group")
+    if wrong:
+        sizes = sorted({int(r.get("world_size") or 0) for r in wrong})
+        what.append(f"rank(s) {ranks(wrong)} joined one of world size {'/'.join(map(str, sizes))}")
+    if unused:
+        what.append(f"rank(s) {ranks(unused)} joined it but never communicated through it (no collective ran)")
+    return (
+        f"every node exited 0, but the ranks did not form one process group of world size {world_size}: "
+        f"{'; '.join(what)}. Each rank most likely trained on its own, as an independent copy. "
+        f"Known fixes: {PROCESS_GROUP_FIXES}"
+    )

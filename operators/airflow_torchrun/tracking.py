@@ -79,6 +79,17 @@ def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     return uri
 
 
+def tracking_configured(tracking_uri: str | None = None) -> bool:
+    """Whether a tracking server is configured: the argument, ``$MLFLOW_TRACKING_URI`` or
+    ``[torchrun] mlflow_tracking_uri`` (the SQLite default in the state directory does not count).
+    A training task with ``track=None`` creates an MLflow run only then."""
+    if tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return True
+    from airflow_torchrun.compat import conf
+
+    return bool(conf.get("torchrun", "mlflow_tracking_uri", fallback=None))
+
+
 def _sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None

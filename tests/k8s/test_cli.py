@@ -65,6 +65,7 @@ def expected_objects(namespace: str, run_id: str, try_number: int) -> list[dict[
     # What the operator adds to the rank contract, as its I/O-free preview shows it.
     contract = {
         "TRAIN_CHECKPOINT_URI": "s3://ckpt/nightly",
+        "TRAIN_CHECKPOINT_DIR": "s3://ckpt/nightly",
         "TRAIN_RESUME_FROM": "<latest committed checkpoint, or empty on a fresh start>",
         "TRAIN_CHECKPOINT_KEEP_LAST": "3",
     }

@@ -128,6 +128,11 @@ class Backend(Protocol):
     async def read_progress_lines_async(self, handle: Any) -> list[str]:
         return await asyncio.to_thread(self.read_progress_lines, handle)
 
+    def process_groups(self, handle: Any) -> list[dict[str, Any]] | None:
+        """What each rank's launcher recorded about the process group its script joined (see
+        :mod:`airflow_torchrun.worker.launch`); ``None``: this backend cannot tell."""
+        return None
+
 
 # name -> (module, class): imported only when used, so parsing a DAG never loads a backend.
 _REGISTRY = {

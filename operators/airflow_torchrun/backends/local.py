@@ -57,6 +57,7 @@ class LocalBackend(Backend):
         self._log_offsets: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}
         self._progress_reader = _LineReader()
+        self._folders: dict[Path, diagnosis.AgentTracebackFolder] = {}
 
     @classmethod
     def from_handle(cls, handle: LocalHandle) -> LocalBackend:
@@ -195,11 +196,13 @@ class LocalBackend(Backend):
             *lines, rest = data.split(b"\n")
             if rest:
                 self._partial[path] = rest
+            folder = self._folders.setdefault(path, diagnosis.AgentTracebackFolder(str(path)))
             for raw in lines:
                 line = raw.decode("utf-8", "replace").rstrip("\r")
-                if not line.startswith("[node "):
-                    line = f"[node {node_rank} agent] {line}"
-                out.append(line)
+                if line.startswith("[node "):
+                    out.append(line)
+                    continue
+                out.extend(f"[node {node_rank} agent] {shown}" for shown in folder.feed(line))
         return out
 
     # -- failure ----------------------------------------------------------------------------
@@ -228,15 +231,30 @@ class LocalBackend(Backend):
         if status.state.value == "startup_timeout":
             message = f"Training group {handle.group_id} could not start: {status.reason}.\n{message}"
         if cause is None:
-            return FailureReport(message=message, retryable=True)
+            return FailureReport(message=message, retryable=diagnosis.retryable(failures))
         return FailureReport(
             message=message,
-            retryable=cause.retryable,
+            retryable=diagnosis.retryable(failures),
             exit_code=cause.exit_code,
             signal=cause.signal,
             collateral=cause.collateral,
             headline=cause.headline(),
         )
+
+    def process_groups(self, handle: LocalHandle) -> list[dict[str, Any]] | None:
+        """The launchers' ``process_group.json`` files beside torchrun's per-rank error files."""
+        records: list[dict[str, Any]] = []
+        for n in range(handle.num_nodes):
+            for path in sorted(
+                (Path(handle.group_dir) / f"node-{n}" / "torchrun").glob("*/attempt_*/*/process_group.json")
+            ):
+                try:
+                    data = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if isinstance(data, dict):
+                    records.append({**data, "node_rank": n})
+        return records or None
 
     def relaunch_reason(self, handle: LocalHandle, status: GroupStatus) -> Relaunch | None:
         """Node 0 lost the race for the rendezvous port: :func:`free_port` found it free, then

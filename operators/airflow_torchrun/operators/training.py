@@ -16,8 +16,9 @@ from airflow_torchrun.state import state_dir
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.handles import GroupHandle
-    from airflow_torchrun.checkpoint import Lineage
+    from airflow_torchrun.checkpoint import CheckpointStore, Lineage
     from airflow_torchrun.compat import Context
+    from airflow_torchrun.integrations.detect import FrameworkCheckpoint
     from airflow_torchrun.watch import Verdict
 
 XCOM_MLFLOW_RUN_ID = "mlflow_run_id"
@@ -73,12 +74,19 @@ class DistributedTrainingOperator(GroupOperator):
         task instance: ``<task_id>~map<index>``; a segment that is not plain letters, digits, ``.``,
         ``_``, ``-`` is sanitised and gets ``~<hash>``, so different ids never share a directory),
         shared by every try of one DAG run's task, so a retry finds what the failed try saved. Ranks
-        see it as ``TRAIN_CHECKPOINT_URI``. A root belongs to the first task instance that uses it:
+        see it as ``TRAIN_CHECKPOINT_URI``, and as a path in ``TRAIN_CHECKPOINT_DIR`` (``file://``
+        URIs; others unchanged), which ``script_args`` may name as ``${TRAIN_CHECKPOINT_DIR}`` to
+        hand a script's own flag the location (``--output_dir``, ``--trainer.default_root_dir``):
+        the ranks' launcher replaces it, on both backends. A root belongs to the first task instance that uses it:
         another task, run or DAG on the same root is refused before launch, and nothing is deleted.
     :param resume: ``"auto"`` (default): resume from the latest committed checkpoint under
         ``checkpoint_uri`` that verifies (a damaged one is skipped, with a warning, for the
         previous); ``"never"``; or the URI of a committed checkpoint (or of a checkpoint root) to
         warm-start from. Ranks see it as ``TRAIN_RESUME_FROM`` (empty on a fresh start). Templated.
+        With no committed checkpoint of the store, a framework's own checkpoint under
+        ``checkpoint_uri`` (Lightning ``*.ckpt``, Trainer ``checkpoint-N/``, accelerate
+        ``checkpoint_N/``; see :mod:`airflow_torchrun.integrations.detect`) is what the log and XCom
+        ``resumed_from`` (with ``"framework"``) report; the script loads it itself.
     :param resume_from_outside: Allow ``resume`` to name a checkpoint outside ``checkpoint_uri``
         (another run's, another DAG's). Off by default: ``resume`` is templated, so a trigger Param
         could otherwise point every rank at any store, and whoever can write there decides what
@@ -94,7 +102,15 @@ class DistributedTrainingOperator(GroupOperator):
     :param shard_manifest: URI of a ``ShardDatasetOperator`` manifest (``TRAIN_SHARD_MANIFEST``),
         e.g. ``shard.output``. Templated.
     :param track: Create (first try) or reuse (later tries) one MLflow run for this DAG run's task
-        and give ranks ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``.
+        and give ranks ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``. ``None`` (default): only when
+        a tracking server is configured (``mlflow_tracking_uri``, ``$MLFLOW_TRACKING_URI`` or
+        ``[torchrun] mlflow_tracking_uri``), so a script that never logs costs no MLflow run.
+        ``True``: always (the default store is SQLite in the state directory); ``False``: never.
+    :param check_process_group: After every node exited 0, check that each rank's script joined one
+        process group of the task's world size (the launcher records it; local backend, ``script=``
+        only). When they did not (every rank trained alone: Hugging Face Trainer on CPU without
+        ``--use_cpu``, accelerate without ``ACCELERATE_USE_CPU=1``), ``True`` (default) fails the
+        task without retry, naming the fixes; ``False`` only warns.
     :param mlflow_tracking_uri: Default: ``$MLFLOW_TRACKING_URI``, else
         ``[torchrun] mlflow_tracking_uri``, else SQLite in the state directory.
     :param mlflow_experiment: MLflow experiment name (templated); default: the DAG id.
@@ -145,9 +161,10 @@ class DistributedTrainingOperator(GroupOperator):
         trust_foreign_sharded: bool = False,
         keep_last: int = 3,
         shard_manifest: str | None = None,
-        track: bool = True,
+        track: bool | None = None,
         mlflow_experiment: str | None = None,
         all_ranks_logs: bool = False,
+        check_process_group: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -158,6 +175,7 @@ class DistributedTrainingOperator(GroupOperator):
         self.keep_last = keep_last
         self.shard_manifest = shard_manifest
         self.track = track
+        self.check_process_group = bool(check_process_group)
         self.mlflow_experiment = mlflow_experiment
         self.all_ranks_logs = all_ranks_logs
         self._mlflow_run_id: str | None = None
@@ -213,14 +231,18 @@ class DistributedTrainingOperator(GroupOperator):
         return Lineage(dag_id=str(self.dag_id), run_id=run_id, task_id=str(self.task_id), map_index=map_index)
 
     def contract_env_preview(self, context: Context) -> dict[str, str]:
+        from airflow_torchrun.contract import checkpoint_dir
+
+        uri = str(self.checkpoint_uri or self.default_checkpoint_uri(context))
         preview = {
-            "TRAIN_CHECKPOINT_URI": str(self.checkpoint_uri or self.default_checkpoint_uri(context)),
+            "TRAIN_CHECKPOINT_URI": uri,
+            "TRAIN_CHECKPOINT_DIR": checkpoint_dir(uri),
             "TRAIN_RESUME_FROM": "<latest committed checkpoint, or empty on a fresh start>",
             "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
         }
         if self.shard_manifest:
             preview["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
-        if self.track:
+        if self._tracking():
             from airflow_torchrun.tracking import resolve_tracking_uri
 
             preview["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(self.mlflow_tracking_uri)
@@ -237,6 +259,7 @@ class DistributedTrainingOperator(GroupOperator):
         environment, never in logs, XCom or rendered fields.
         """
         from airflow_torchrun.checkpoint import CheckpointStore, claim_lineage, resolve_resume
+        from airflow_torchrun.contract import checkpoint_dir
 
         ti = context["ti"]
         uri = self.checkpoint_uri or self.default_checkpoint_uri(context)
@@ -257,15 +280,30 @@ class DistributedTrainingOperator(GroupOperator):
             "finding the checkpoint to resume from",
             lambda: resolve_resume(uri, self.resume, options, allow_outside=self.resume_from_outside),
         )
-        if ref is None:
-            self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
-        else:
+        resumed: dict[str, Any] | None = {"uri": ref.uri, "step": ref.step} if ref else None
+        if ref is not None:
             self.log.info("Checkpoints: %s; resuming from %s (step %d)", uri, ref.uri, ref.step)
-        ti.xcom_push(key="resumed_from", value={"uri": ref.uri, "step": ref.step} if ref else None)
+        else:
+            own = self._framework_checkpoint(store)
+            if own is None:
+                self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
+            else:
+                resumed = own.to_xcom()
+                self.log.info(
+                    "Checkpoints: %s; no committed checkpoint of the store, but the script's own %s checkpoint "
+                    "%s (step %s) is there: resuming from it, as the script loads it itself (resume=%s)",
+                    uri,
+                    own.framework,
+                    own.uri,
+                    own.step if own.step is not None else "unknown",
+                    self.resume,
+                )
+        ti.xcom_push(key="resumed_from", value=resumed)
         env = self.rank_storage_env(options)
         env.update(
             {
                 "TRAIN_CHECKPOINT_URI": store.uri,
+                "TRAIN_CHECKPOINT_DIR": checkpoint_dir(store.uri),
                 "TRAIN_RESUME_FROM": ref.uri if ref else "",
                 "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
                 "TRAIN_CHECKPOINT_LINEAGE": json.dumps(
@@ -277,9 +315,31 @@ class DistributedTrainingOperator(GroupOperator):
             env["TRAIN_CHECKPOINT_TRUST_SHARDED"] = "1"
         if self.shard_manifest:
             env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
-        if self.track:
+        if self._tracking():
             env.update(self._tracking_env(context))
+        else:  # the extra link finds "no run" instead of logging an error for a missing XCom
+            ti.xcom_push(key=MLFLOW_RUN_URL_KEY, value=None)
         return env
+
+    def _framework_checkpoint(self, store: CheckpointStore) -> FrameworkCheckpoint | None:
+        """A framework's own checkpoint under the root (``resume="auto"`` only); never fails the task."""
+        if self.resume != RESUME_AUTO:
+            return None
+        from airflow_torchrun.integrations.detect import find_framework_checkpoint
+
+        try:
+            return find_framework_checkpoint(store)
+        except Exception as exc:  # only what the log says: never worth failing a launch for
+            self.log.warning("Could not look for a framework's own checkpoints under %s: %s", store.uri, exc)
+            return None
+
+    def _tracking(self) -> bool:
+        """Whether this task has an MLflow run: ``track``, or (None) whether a tracking URI is configured."""
+        if self.track is not None:
+            return bool(self.track)
+        from airflow_torchrun.tracking import tracking_configured
+
+        return tracking_configured(self.mlflow_tracking_uri)
 
     def _tracking_env(self, context: Context) -> dict[str, str]:
         from airflow_torchrun.tracking import check_tracking_uri, ensure_run, rank_env, resolve_tracking_uri, run_url
@@ -301,7 +361,7 @@ class DistributedTrainingOperator(GroupOperator):
     # -- the end ------------------------------------------------------------------------------
     def _run_id(self, context: Context) -> str | None:
         """This try's MLflow run: set by contract_env, or (re-entry after deferral, a new process) its XCom."""
-        if self._mlflow_run_id is None and self.track:
+        if self._mlflow_run_id is None and self._tracking():
             ti = context["ti"]
             self._mlflow_run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
         return self._mlflow_run_id
@@ -393,6 +453,8 @@ class DistributedTrainingOperator(GroupOperator):
         from airflow_torchrun.checkpoint import CheckpointStore, final_checkpoint
 
         wall = time.time() - handle.launched_at
+        assert self._engine is not None  # finish runs only after the engine did
+        self._check_process_group(handle)
         self.log.info("Group %s succeeded: every node exited 0, %.1fs after launch", handle.group_id, wall)
         if self.checkpoint_uri is None:  # re-entry after deferral: a new process, same default
             self.checkpoint_uri = self.default_checkpoint_uri(context)
@@ -401,7 +463,6 @@ class DistributedTrainingOperator(GroupOperator):
         if ref is not None:
             self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
         self._publish_checkpoint(context, ref.uri if ref else self.checkpoint_uri, ref.step if ref else None)
-        assert self._engine is not None  # finish runs only after the engine did
         spec, backend = self._engine.spec, self._engine.backend
         return {
             "checkpoint_uri": self.checkpoint_uri,
@@ -417,3 +478,32 @@ class DistributedTrainingOperator(GroupOperator):
             "log_dir": handle.log_dir,
             "logs": backend.log_locations(handle),
         }
+
+    def _check_process_group(self, handle: GroupHandle) -> None:
+        """Fail (or warn) when the ranks did not form one process group of the world size."""
+        from airflow_torchrun import diagnosis
+        from airflow_torchrun.compat import AirflowFailException
+
+        assert self._engine is not None
+        try:
+            records = self._engine.backend.process_groups(handle)
+        except Exception as exc:  # what the launchers noted is a check, not the training
+            self.log.warning("Group %s: could not read the ranks' process group records: %s", handle.group_id, exc)
+            return
+        problem = diagnosis.process_group_problem(records, self._engine.spec.world_size)
+        if problem is None:
+            if records:
+                self.log.info(
+                    "Group %s: every rank joined one process group of world size %d",
+                    handle.group_id,
+                    self._engine.spec.world_size,
+                )
+            return
+        message = f"Group {handle.group_id}: {problem}"
+        if not self.check_process_group:
+            self.log.warning("%s (check_process_group=False: not failing the task)", message)
+            return
+        self.log.error("%s", message)
+        raise AirflowFailException(
+            f"{message}. Set check_process_group=False to accept it.\n(A retry cannot fix this; not retrying.)"
+        )

@@ -2,19 +2,188 @@
 
 It runs the user's unmodified script as ``__main__`` under torchrun's own error-file mechanism
 (what ``@record`` does), so the task's failure message can show the *first* failing rank's
-traceback even when the script does not use ``@record``. A non-zero ``sys.exit`` is recorded too.
+traceback even when the script does not use ``@record``. A non-zero ``sys.exit`` is recorded too,
+with the command-line parser's ``error:`` line when the exit code is 2 (argparse, jsonargparse and
+``HfArgumentParser`` print it to stderr just before exiting), and a failure raised by one of the
+script's module-level imports is marked ``"phase": "import"`` (a retry cannot fix either).
+
+Two more things for the operator, on both backends:
+
+* ``${TRAIN_CHECKPOINT_DIR}`` (and the other names of :data:`EXPANDED`) in the script's arguments
+  are replaced by the rank's value, so ``script_args=["--output_dir", "${TRAIN_CHECKPOINT_DIR}"]``
+  hands a script's own flag the task's checkpoint location.
+* Which process group the script's rank joined: when ``torch.distributed.init_process_group``
+  succeeds, ``process_group.json`` (rank, world size, backend) is written beside torchrun's error
+  file; a rank that exits without joining one writes ``{"joined": false}`` there. The local
+  backend reads them to tell a distributed run from N independent copies (Hugging Face Trainer
+  without ``--use_cpu``, accelerate without ``ACCELERATE_USE_CPU=1``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
+import re
 import runpy
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any, TextIO
+
+from airflow_torchrun import contract
+
+# Contract variables a script argument may name as ``${NAME}``; replaced on every rank.
+EXPANDED = (contract.CHECKPOINT_DIR, contract.CHECKPOINT_URI, contract.RESUME_FROM)
+_PLACEHOLDER = re.compile(r"\$\{(" + "|".join(EXPANDED) + r")\}")
+PROCESS_GROUP_FILE = "process_group.json"
+USAGE_EXIT_CODE = 2
+# The stderr kept to find a parser's ``error:`` line (it is the last thing printed before exit).
+_STDERR_TAIL = 8192
+_C10D = "torch.distributed.distributed_c10d"
+
+
+def expand_args(args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
+    """``${TRAIN_CHECKPOINT_DIR}`` and the other :data:`EXPANDED` names replaced by their values."""
+    env = dict(os.environ) if env is None else env
+    return [_PLACEHOLDER.sub(lambda m: env.get(m.group(1), ""), a) for a in args]
+
+
+class _StderrTail:
+    """``sys.stderr`` passed through, its last few KiB kept (to quote a parser's ``error:`` line)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.tail = ""
+
+    def write(self, text: str) -> int:
+        self.tail = (self.tail + text)[-_STDERR_TAIL:]
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def usage_error(stderr_tail: str) -> str | None:
+    """The last ``error:`` line a command-line parser printed (``prog: error: ...``), if any."""
+    for line in reversed(stderr_tail.splitlines()):
+        if re.match(r"^(?:[^:]+: )?error: ", line.strip()):  # the prog may be "train.py fit"
+            return line.strip()
+    return None
+
+
+def _process_group_path() -> str | None:
+    err = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return os.path.join(os.path.dirname(err), PROCESS_GROUP_FILE) if err else None
+
+
+def _write_process_group(record: dict[str, Any]) -> None:
+    path = _process_group_path()
+    if not path:
+        return
+    try:
+        with open(path, "w") as fp:
+            json.dump({**record, "rank_env": os.environ.get("RANK", "")}, fp)
+    except OSError:
+        pass
+
+
+class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
+    """Wraps ``init_process_group`` as torch defines it, before ``torch.distributed`` re-exports it,
+    without importing torch here (a script that never imports torch pays nothing)."""
+
+    joined = False
+    record: dict[str, Any] | None = None
+    c10d: ModuleType | None = None
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> Any:
+        if fullname != _C10D:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, watch = spec.loader, self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> ModuleType | None:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: ModuleType) -> None:
+                loader.exec_module(module)  # type: ignore[attr-defined]
+                watch.patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+    def patch(self, c10d: ModuleType) -> None:
+        original_init, original_destroy = c10d.init_process_group, c10d.destroy_process_group
+        self.c10d = c10d
+        watch = self
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            result = original_init(*args, **kwargs)
+            try:
+                watch.joined = True
+                watch.record = {
+                    "joined": True,
+                    "rank": c10d.get_rank(),
+                    "world_size": c10d.get_world_size(),
+                    "backend": str(c10d.get_backend()),
+                }
+                _write_process_group(watch.record)
+            except Exception:  # never fail a rank for the record
+                pass
+            return result
+
+        def destroy_process_group(group: Any = None) -> Any:
+            if group is None:
+                watch.note_collectives()
+            return original_destroy(group)
+
+        for new, old in ((init_process_group, original_init), (destroy_process_group, original_destroy)):
+            new.__wrapped__ = old  # type: ignore[attr-defined]
+            new.__doc__ = old.__doc__
+        c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
+        c10d.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+    def note_collectives(self) -> None:
+        """How many collectives ran on the default group (its sequence number), before it goes away:
+        a group joined and never used is N independent copies too (Trainer without ``--use_cpu``)."""
+        if self.record is None or self.c10d is None or "collectives" in self.record:
+            return
+        try:
+            if not self.c10d.is_initialized():
+                return
+            seq = self.c10d._get_default_group()._get_sequence_number_for_group()
+        except Exception:  # a backend without sequence numbers: nothing claimed
+            return
+        self.record = {**self.record, "collectives": int(seq)}
+        _write_process_group(self.record)
+
+
+def _import_phase(exc: BaseException, script: str) -> bool:
+    """Raised by one of the script's module-level imports (the script's own code never ran)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == script and code.co_name == "<module>":
+            nxt = tb.tb_next
+            if nxt is None:  # raised by the statement itself: a module that is not there
+                return isinstance(exc, ImportError)
+            # Python strips importlib's frames: the next one is the imported module's own body.
+            return nxt.tb_frame.f_code.co_name == "<module>" or nxt.tb_frame.f_code.co_filename.startswith(
+                "<frozen importlib"
+            )
+        tb = tb.tb_next
+    return False
 
 
 def _user_traceback(exc: BaseException, script: str) -> str:
@@ -25,14 +194,20 @@ def _user_traceback(exc: BaseException, script: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
-def _record(exc: BaseException, script: str) -> None:
+def _record(exc: BaseException, script: str, stderr_tail: str = "") -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    extra: dict[str, str] = {}
     if isinstance(exc, SystemExit):
         message = f"SystemExit: {exc.code}"
+        said = usage_error(stderr_tail) if exc.code == USAGE_EXIT_CODE else None
+        if said:
+            extra["usage_error"] = said
     else:
         message = f"{type(exc).__name__}: {exc}"
+    if _import_phase(exc, script):
+        extra["phase"] = "import"
     data = {
         "message": {
             "message": message,
@@ -42,6 +217,7 @@ def _record(exc: BaseException, script: str) -> None:
                 # torchrun's timestamp has second resolution; ordering ranks needs better.
                 "airflow_torchrun_time": repr(time.time()),
                 "rank": os.environ.get("RANK", ""),
+                **extra,
             },
         }
     }
@@ -53,14 +229,14 @@ def _record(exc: BaseException, script: str) -> None:
 
 
 @contextlib.contextmanager
-def recorded(script: str) -> Iterator[None]:
+def recorded(script: str, stderr: _StderrTail | None = None) -> Iterator[None]:
     """Record what escapes the block (a non-zero ``sys.exit`` too) in torchrun's error file, with
     the traceback from ``script``'s frames down, and let it go on."""
     try:
         yield
     except SystemExit as exc:
         if exc.code not in (0, None):
-            _record(exc, script)
+            _record(exc, script, stderr.tail if stderr else "")
         raise
     except BaseException as exc:
         _record(exc, script)
@@ -71,10 +247,21 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m airflow_torchrun.worker.launch SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
-    sys.argv = sys.argv[1:]
+    sys.argv = [sys.argv[1], *expand_args(sys.argv[2:])]
     sys.path.insert(0, os.path.dirname(script))
-    with recorded(script):
-        runpy.run_path(script, run_name="__main__")
+    watch = _ProcessGroupWatch()
+    if _C10D not in sys.modules:
+        sys.meta_path.insert(0, watch)
+    stderr = _StderrTail(sys.stderr)
+    sys.stderr = stderr  # type: ignore[assignment]
+    try:
+        with recorded(script, stderr):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        if watch.joined:
+            watch.note_collectives()
+        else:
+            _write_process_group({"joined": False})
 
 
 if __name__ == "__main__":
