@@ -247,3 +247,21 @@ def test_a_chosen_exit_code_wins_over_an_abort_on_the_way_out():
     cause = diagnosis.root_cause(diagnosis.merge(reported, files))
     assert cause is not None and cause.exit_code == 7 and cause.signal is None
     assert cause.headline() == "rank 1 (node 1) exited with code 7"
+
+
+def test_a_full_disk_is_not_retried_and_says_what_to_do() -> None:
+    from airflow_torchrun.diagnosis import RankFailure, failure_message
+
+    full = RankFailure(node_rank=0, rank=0, exit_code=1, message="OSError: [Errno 28] No space left on device")
+    assert full.retryable is False and full.out_of_space
+    text = failure_message("g", [full], node_headline="node 0 failed", log_tail=[], log_path="x")
+    assert "free space, lower keep_last" in text
+    assert RankFailure(node_rank=0, rank=0, exit_code=1, message="RuntimeError: boom").retryable
+    chained = RankFailure(
+        node_rank=0,
+        rank=0,
+        exit_code=1,
+        message="RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 18476736 vs 18476628",
+        traceback="OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception...",
+    )
+    assert chained.out_of_space and not chained.retryable

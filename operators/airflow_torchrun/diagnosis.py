@@ -39,6 +39,8 @@ _COLLATERAL = re.compile(
 )
 # Errors a retry cannot fix: the script itself is broken.
 _PERMANENT = re.compile(r"^(ModuleNotFoundError|ImportError|SyntaxError|IndentationError|NameError)\b")
+# A full disk or quota: the same write fails again on a retry until someone frees space.
+_NO_SPACE = re.compile(r"\[Errno (?:28|122)\]|No space left on device|Disk quota exceeded")
 TAIL_LINES = 20
 # One line of detail per group of ranks; longer ones end at a sentence or word boundary.
 DETAIL_LIMIT = 300
@@ -72,7 +74,13 @@ class RankFailure:
     def retryable(self) -> bool:
         if self.phase == "import" or self.usage_error:
             return False
-        return not (self.message and _PERMANENT.match(self.message))
+        return not (self.message and _PERMANENT.match(self.message)) and not self.out_of_space
+
+    @property
+    def out_of_space(self) -> bool:
+        """A full disk anywhere in the failure (torch.save's ENOSPC surfaces as a RuntimeError raised
+        while handling it, so the traceback is searched too)."""
+        return any(_NO_SPACE.search(text) for text in (self.message, self.traceback) if text)
 
     @property
     def own_error(self) -> bool:
@@ -268,6 +276,11 @@ def failure_message(
         if cause.traceback and not cause.usage_error:
             parts.append("First failure's traceback (last lines):")
             parts.extend(f"  {line}" for line in traceback_tail(cause.traceback))
+        if cause.out_of_space:
+            parts.append(
+                "  A disk it writes to is full (the checkpoint store, or the script's own output): free space, "
+                "lower keep_last, or point checkpoint_uri at larger storage; the last committed checkpoint is kept."
+            )
         if cause.signal == "SIGKILL":
             parts.append(
                 "  SIGKILL usually means the kernel's OOM killer or an operator killed the process; "
