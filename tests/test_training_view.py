@@ -85,6 +85,7 @@ def train(run_dag: Callable[..., DagResult], script: Path, **env: str) -> DagRes
         ckpt = Asset(name="ckpt-" + dag.dag_id, uri="torchrun://checkpoints/" + dag.dag_id)
         trained = DistributedTrainingOperator(
             task_id="train", script={str(script)!r}, num_nodes=2, nproc_per_node=1, env={env!r}, outlets=[ckpt],
+            track=True,
         )
 
         @task(inlets=[ckpt])

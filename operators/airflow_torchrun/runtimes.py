@@ -54,7 +54,8 @@ ALLOWANCES = {
     "root": "running as root (run_as_user: 0, runAsUser: 0, runAsNonRoot: false)",
     "host_namespaces": "hostNetwork, hostPID or hostIPC",
     "host_path": "hostPath volumes",
-    "service_account_token": "automount_service_account_token: true",
+    "service_account_token": "the service account's API token in the pods (automount, a projected token volume)",
+    "writable_root": "a writable root filesystem (read_only_root_filesystem: false)",
 }
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
@@ -479,6 +480,10 @@ def loosenings(runtime: Runtime) -> list[tuple[str, str]]:
             out.append(("root", f"{where}.securityContext.runAsNonRoot: false"))
         if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
             out.append(("privileged", f"{where}.securityContext.seccompProfile: Unconfined"))
+        if (sc.get("appArmorProfile") or {}).get("type") == "Unconfined":
+            out.append(("privileged", f"{where}.securityContext.appArmorProfile: Unconfined"))
+        if sc.get("seLinuxOptions"):
+            out.append(("privileged", f"{where}.securityContext.seLinuxOptions"))
     if c_sc.get("privileged") is True:
         out.append(("privileged", "container_overrides.securityContext.privileged: true"))
     if c_sc.get("allowPrivilegeEscalation") is True:
@@ -493,6 +498,16 @@ def loosenings(runtime: Runtime) -> list[tuple[str, str]]:
             out.append(("host_path", f"pod_overrides.volumes: hostPath volume {volume.get('name')!r}"))
     if runtime.automount_service_account_token:
         out.append(("service_account_token", "automount_service_account_token: true"))
+    if pod.get("automountServiceAccountToken") is True:
+        out.append(("service_account_token", "pod_overrides.automountServiceAccountToken: true"))
+    for volume in pod.get("volumes") or ():
+        sources = ((volume.get("projected") or {}).get("sources") or ()) if isinstance(volume, Mapping) else ()
+        if any(isinstance(src, Mapping) and "serviceAccountToken" in src for src in sources):
+            out.append(("service_account_token", f"pod_overrides.volumes: token volume {volume.get('name')!r}"))
+    if not runtime.read_only_root_filesystem:
+        out.append(("writable_root", "read_only_root_filesystem: false"))
+    if c_sc.get("readOnlyRootFilesystem") is False:
+        out.append(("writable_root", "container_overrides.securityContext.readOnlyRootFilesystem: false"))
     return out
 
 

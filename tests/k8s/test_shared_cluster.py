@@ -189,7 +189,31 @@ LOOSE = {
     "host_namespaces": {"pod_overrides": {"hostNetwork": True}},
     "host_path": {"pod_overrides": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}},
     "service_account_token": {"automount_service_account_token": True},
+    "writable_root": {"read_only_root_filesystem": False},
 }
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"pod_overrides": {"automountServiceAccountToken": True}},
+        {
+            "pod_overrides": {
+                "volumes": [{"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}]
+            }
+        },
+        {"container_overrides": {"securityContext": {"readOnlyRootFilesystem": False}}},
+        {"container_overrides": {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}},
+        {"pod_overrides": {"securityContext": {"seLinuxOptions": {"type": "spc_t"}}}},
+    ],
+    ids=["automount-override", "projected-token", "writable-root-override", "apparmor", "selinux"],
+)
+def test_the_variable_cannot_loosen_security_through_overrides_either(
+    overrides: dict[str, object], runtimes_file, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", json.dumps({"team": {"image": "t:1", **overrides}}))
+    with pytest.raises(InvalidSpecError, match="does not allow for runtimes of the Variable"):
+        load_runtimes(file=str(runtimes_file({"cpu": {"image": "t:1"}})), variable="torchrun_runtimes")
 
 
 @pytest.fixture
@@ -272,8 +296,10 @@ def test_a_local_mlflow_store_fails_at_parse_time(uri: str) -> None:
 def test_the_default_mlflow_store_fails_at_parse_time_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("AIRFLOW__TORCHRUN__MLFLOW_TRACKING_URI", raising=False)
+    # track=True with no tracking URI configured: the SQLite default on the worker's disk.
     with pytest.raises(InvalidSpecError, match=r"sqlite:///.*is a store on the Airflow worker's disk"):
-        operator(checkpoint_uri="s3://ckpt-bucket/p")
+        operator(checkpoint_uri="s3://ckpt-bucket/p", track=True)
+    operator(checkpoint_uri="s3://ckpt-bucket/p")  # track=None and nothing configured: no MLflow run, fine
 
 
 def test_execution_timeout_becomes_the_jobs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,7 +201,7 @@ class DistributedTrainingOperator(GroupOperator):
         )
 
     def tracking_uri(self) -> str | None:
-        if not self.track:
+        if not self._tracking():  # track=None: tracked when a tracking URI is configured
             return None
         from airflow_torchrun.tracking import resolve_tracking_uri
 

@@ -166,6 +166,11 @@ def _launches(handle: GroupHandle, identity: dict[str, Any], counts: Any) -> lis
         for row in rows:
             row["counts"] = None
         rows[-1]["counts"] = {k: int(v) for k, v in counts.items() if isinstance(v, int)}
+        # Why each launch was replaced (the engine's relaunch history: kind, reason, time).
+        history = counts.get("history")
+        for row, entry in zip(rows, history if isinstance(history, list) else [], strict=False):
+            if isinstance(entry, dict):
+                row["ended_by"] = {k: entry.get(k) for k in ("kind", "why", "at")}
     return rows
 
 
