@@ -273,14 +273,17 @@ def test_watch_logs_a_summary_every_progress_every_seconds_and_warns_of_a_stragg
     assert len(warnings) == 1 and "rank 3 on node 1" in warnings[0]
 
 
-def test_progress_timeout_uses_records_when_the_script_writes_them() -> None:
-    # The log grows (a rank prints warnings in a loop) but no rank reports a new step: hung.
+def test_a_phase_without_steps_that_still_writes_is_not_a_hang_silence_is() -> None:
+    # After its records, a script evaluates or uploads for longer than progress_timeout, printing
+    # as it goes: not hung (steps alone would tear a healthy group down, again on every retry).
     watch = Watch.of(handle(), WatchConfig(progress_timeout=10.0), T0)
     records = [rec(r, 5, T0) for r in range(4)]
     assert watch.observed(RUNNING, ("log", 1), T0 + 1, records).verdict is None
+    assert all(watch.observed(RUNNING, ("log", t), T0 + t).verdict is None for t in range(2, 40))
+    # Neither a step nor a line for progress_timeout: hung.
     verdict = None
-    for t in range(2, 13):
-        verdict = watch.observed(RUNNING, ("log", t), T0 + t).verdict
+    for t in range(40, 60):
+        verdict = watch.observed(RUNNING, ("log", 39), T0 + t).verdict
         if verdict:
             break
     assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT

@@ -9,8 +9,8 @@ Decisions:
 - the group is terminal (succeeded, failed, could not start within ``startup_timeout``);
 - ``deadline`` (the task's ``execution_timeout``) passed while it still runs;
 - no progress for ``progress_timeout`` seconds: no rank reported a new step in its progress
-  records, or, for a script that writes none, the backend's ``progress_mark`` (log growth) did not
-  change: the group looks hung;
+  records and the backend's ``progress_mark`` (log growth) did not change either: the group
+  looks hung (before its first sign of life, ``startup_timeout`` applies instead);
 - looking at the group failed: a transient error (API 5xx, 429, a timeout, a connection reset)
   is tolerated until looks have failed for ``error_budget`` seconds in a row; a permanent one
   (403, a malformed answer or status file) gives up at once. Giving up never claims the group
@@ -184,9 +184,14 @@ class Watch:
             return Step(
                 Verdict(_FROM_STATE[status.state], status.reason, status.nodes, status.failed_node), tuple(notes)
             )
-        # Records, when the script writes them, are the evidence: a rank that logs but makes no
-        # step (warnings in a loop around a stuck collective) is not progress.
-        evidence = self.board.mark() if self.board.seen else mark
+        # A new step in the records, or output (log growth): either is progress. Steps alone would
+        # call a long phase between or after steps (an evaluation, the final upload) a hang and tear
+        # a healthy group down, again on every retry.
+        evidence = (
+            (self.board.mark(), mark)
+            if self.board.seen and mark is not None
+            else (self.board.mark() if self.board.seen else mark)
+        )
         verdict = self._deadline(now) or self._progress(evidence, now, notes)
         if verdict is None and now - self._heartbeat_at >= self.config.heartbeat:
             self._heartbeat_at = now
