@@ -106,3 +106,21 @@ def test_the_api_reads_a_failed_groups_diagnosis_and_an_earlier_tries_handle(
     assert entry.failure and "ValueError: bad batch" in entry.failure, entry.failure
     doc = build_document(ids={}, handle=handle, status=entry.status, board=entry.board, failure=entry.failure)
     assert [r["state"] for r in doc["ranks"]] == ["stopped", "failed"] and doc["failure"] == entry.failure
+
+
+def test_a_group_whose_task_succeeded_is_shown_succeeded_without_looking(tmp_path) -> None:
+    """A Kubernetes group's Job is deleted once done: looking would find it gone. The view takes
+    the task instance's success for the group's when the summary names that group."""
+    from airflow_torchrun.backends.handles import LocalHandle
+    from airflow_torchrun.status import GroupState
+    from airflow_torchrun.ui.api import look
+
+    def handle(name: str) -> LocalHandle:
+        return LocalHandle(
+            group_id=name, num_nodes=2, world_size=2, launched_at=1.0, startup_timeout=600.0,
+            teardown_grace=1.0, group_dir=str(tmp_path / name), master_port=1,
+        )  # fmt: skip
+
+    assert look(handle("gone-a"), now=5.0).status.state is not GroupState.SUCCEEDED  # nothing on disk
+    entry = look(handle("gone-b"), now=5.0, succeeded=True)
+    assert entry.status.state is GroupState.SUCCEEDED and entry.failure is None

@@ -34,7 +34,7 @@ from sqlalchemy import select
 from airflow_torchrun.backends.base import Backend, backend_from_handle
 from airflow_torchrun.backends.handles import GroupHandle
 from airflow_torchrun.progress import Alert, ProgressBoard, ProgressThresholds
-from airflow_torchrun.status import GroupState, GroupStatus, group_status
+from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase, group_status
 from airflow_torchrun.ui.document import CheckpointRow, build_document
 from airflow_torchrun.worker.progress import parse_records
 
@@ -88,10 +88,23 @@ def _followed(handle: GroupHandle) -> _Followed:
         return entry
 
 
-def look(handle: GroupHandle, now: float | None = None) -> _Followed:
-    """One look at the group: its nodes, new progress records, and the failure once it failed."""
+def look(handle: GroupHandle, now: float | None = None, *, succeeded: bool = False) -> _Followed:
+    """One look at the group: its nodes, new progress records, and the failure once it failed.
+
+    ``succeeded``: the task instance succeeded with this group. Its nodes are then shown as
+    succeeded without looking: a Kubernetes group's Job is deleted once it is done, and looking
+    would find its pods gone (a vanished group, not a finished one).
+    """
     entry = _followed(handle)
     with entry.lock:
+        if succeeded and (entry.status is None or entry.status.state is not GroupState.SUCCEEDED):
+            nodes = [
+                NodeObservation(node_rank=n, phase=NodePhase.SUCCEEDED, exit_code=0) for n in range(handle.num_nodes)
+            ]
+            entry.status = group_status(
+                nodes, launched_at=handle.launched_at, now=now or time.time(), startup_timeout=handle.startup_timeout
+            )
+            entry.failure = None
         if entry.status is None or not entry.status.state.terminal:
             nodes = entry.backend.observe(handle)
             entry.status = group_status(
@@ -243,7 +256,9 @@ def collect(
     }
     if handle is None:
         return build_document(ids=ids, handle=None, status=None, board=None, links=links, extra=extra)
-    entry = look(handle)
+    # The summary names this very group: it is the one that succeeded.
+    succeeded = ids["ti_state"] == "success" and summary.get("group_id") == handle.group_id
+    entry = look(handle, succeeded=succeeded)
     identity = {
         "dag_id": dag_id,
         "task_id": task_id,
