@@ -12,8 +12,10 @@ The checkpoint store's faults: moto's S3 server stopped for 20 s mid-training (c
 and the store out of space (a small tmpfs: the task must fail at once with a clear error, the last
 committed checkpoint intact, nothing torn taken for good; "recovered" counts exactly that).
 
-Faults covered elsewhere and not repeated here: the tracking server stopped mid-run
-(``tests/test_tracking_faults.py``), the Kubernetes API answering 5xx
+The tracking server (``mlflow server``, SQLite) stopped for 20 s mid-training: training goes on,
+every step's loss reaches the run exactly once, the task succeeds.
+
+Faults covered elsewhere and not repeated here: the Kubernetes API answering 5xx
 (``tests/k8s/test_operator_faults.py``), the Airflow worker killed (``tests/test_local_backend.py``
 ``test_dead_caller_stops_the_group``) and the triggerer restarted (``tests/test_trigger.py``).
 """
@@ -55,10 +57,10 @@ IMPORTS = "from datetime import timedelta"
 
 
 def _task(**kwargs: object) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    args = ", ".join(f"{k}={v!r}" for k, v in {"track": False, **kwargs}.items())
     return f"""
     DistributedTrainingOperator(
-        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1, track=False,
+        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1,
         script_args={ARGS!r}, retry_delay=timedelta(0), teardown_grace=5, {args}
     )
     """
@@ -319,6 +321,44 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
             assert trial.recovered and trial.left_behind == 0, trial
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_tracking_faults import MlflowServer
+
+    fault = "MLflow server down 20 s"
+    server = MlflowServer(tmp_path)
+    server.start()
+    restarts: list[threading.Thread] = []
+
+    def outage(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
+        def inject(_group_id: str, _dir: Path) -> tuple[bool, str]:
+            server.stop()
+            restart = threading.Timer(20.0, server.start)
+            restart.start()
+            restarts.append(restart)
+            return True, "MLflow server down for 20s"
+
+        return inject
+
+    try:
+        task = {"retries": 0, "max_restarts": 1, "track": True, "mlflow_tracking_uri": server.uri}
+        results = [run_trial(run_dag, fault, outage, uninterrupted, n, **task) for n in range(trials())]
+        for restart in restarts:
+            restart.join(90)
+        # Every step's loss reached its run exactly once, through the outage.
+        client = MlflowClient(server.uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        histories = [[m.step for m in client.get_metric_history(r.info.run_id, "loss")] for r in runs]
+        histories = [h for h in histories if h]
+        assert len(histories) == len(results), histories
+        for steps in histories:
+            assert sorted(steps) == list(range(1, max(steps) + 1)), f"steps lost or logged twice: {sorted(steps)}"
+    finally:
+        server.stop()
+    _judge(fault, results)
 
 
 def _judge(fault: str, results: list[Trial]) -> None:
