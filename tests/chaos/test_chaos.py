@@ -15,9 +15,12 @@ committed checkpoint intact, nothing torn taken for good; "recovered" counts exa
 The tracking server (``mlflow server``, SQLite) stopped for 20 s mid-training: training goes on,
 every step's loss reaches the run exactly once, the task succeeds.
 
+The Airflow worker killed (kill -9 of the process running the task, ``dag.test()`` in a process of
+its own): every process of the group is gone within the teardown grace, and the next run of the
+task trains to the end ("recovered" counts both).
+
 Faults covered elsewhere and not repeated here: the Kubernetes API answering 5xx
-(``tests/k8s/test_operator_faults.py``), the Airflow worker killed (``tests/test_local_backend.py``
-``test_dead_caller_stops_the_group``) and the triggerer restarted (``tests/test_trigger.py``).
+(``tests/k8s/test_operator_faults.py``) and the triggerer restarted (``tests/test_trigger.py``).
 """
 
 from __future__ import annotations
@@ -359,6 +362,59 @@ def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterru
     finally:
         server.stop()
     _judge(fault, results)
+
+
+WORKER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("chaos_dag", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.dag.test()
+"""
+
+
+def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], airflow_db: Path) -> None:
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import DAGS_FOLDER
+
+    fault = "kill -9 the Airflow worker"
+    state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    for n in range(trials()):
+        rng = random.Random(f"{SEED}-{fault}-{n}")
+        dag_id = f"chaos_worker_{uuid.uuid4().hex[:8]}"
+        path = DAGS_FOLDER / f"{dag_id}.py"
+        path.write_text(
+            "import pendulum\nfrom datetime import timedelta\nfrom airflow.sdk import DAG\n"
+            "from airflow_torchrun import DistributedTrainingOperator\n"
+            f"with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:\n"
+            + _task(retries=0)
+        )
+        worker: dict[str, subprocess.Popen[bytes]] = {}
+
+        def kill_worker(_group_id: str, _dir: Path, worker: dict[str, Any] = worker) -> tuple[bool, str]:
+            return _signal(worker["proc"].pid, signal.SIGKILL), "the task's process"
+
+        injector = Injector(state_dir, rng.randint(8, 38), kill_worker)
+        command = [sys.executable, "-c", WORKER, str(path)]
+        worker["proc"] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        injector.start()
+        worker["proc"].wait(timeout=300)
+        injector.join(5)
+        deadline = time.monotonic() + 30  # the supervisors notice the caller is gone, then teardown_grace
+        while injector.group_id and group_pids(injector.group_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = len(group_pids(injector.group_id)) if injector.group_id else 0
+        gone_after = (time.time() - injector.at) if injector.at else None
+        path.unlink(missing_ok=True)
+        # The task runs again (the next run of it, in this process): it trains to the end.
+        again = run_dag(_task(retries=0), imports=IMPORTS)
+        ok = injector.injected and worker["proc"].returncode == -signal.SIGKILL and again.state == "success"
+        note = f"seed {SEED}: step {injector.step}, {injector.note}; group gone {gone_after or 0:.1f}s after the kill"
+        trial = record(Trial(fault, injector.injected, ok, None, left, 0, None, note))
+        assert trial.recovered and trial.left_behind == 0, trial
 
 
 def _judge(fault: str, results: list[Trial]) -> None:
