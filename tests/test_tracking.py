@@ -161,6 +161,8 @@ def _ranks(run_id: str, tracking_uri: str, first: int, last: int, *, log_model: 
                 **rank_env(run_id, tracking_uri),
                 "RANK": str(rank),
                 "WORLD_SIZE": "2",
+                # No progress records on stdout: this test reads what the script prints.
+                "AIRFLOW_TORCHRUN_PROGRESS_INTERVAL": "0",
                 **({"LOG_MODEL": "1"} if log_model else {}),
             },
             stdout=subprocess.PIPE,

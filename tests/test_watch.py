@@ -19,7 +19,7 @@ from airflow_torchrun.backends.local import LocalBackend
 from airflow_torchrun.errors import StorageError
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import NodeObservation, NodePhase
-from airflow_torchrun.watch import Note, Outcome, Watch, WatchConfig, watch_sync
+from airflow_torchrun.watch import Note, Outcome, Watch, WatchConfig, shows_output, watch_sync
 from airflow_torchrun.wiring import GroupIdentity
 
 T0 = 1_800_000_000.0
@@ -128,6 +128,13 @@ def test_a_slow_start_is_not_a_hang_but_silence_past_startup_timeout_is() -> Non
     assert w.observed(RUNNING, (5, 0), T0 + 39).verdict is None
     verdict = w.observed(RUNNING, (5, 0), T0 + 40).verdict
     assert verdict is not None and "since its last progress (progress_timeout=10s)" in verdict.reason
+    # A watch that starts on a group that has written already (after a deferral, a triggerer
+    # restart): progress_timeout alone applies from its first look.
+    for mark in ((120, 40), ((0, "2026-12-01T10:00:00Z"), (1, ""))):
+        w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
+        assert w.observed(RUNNING, mark, T0 + 1).verdict is None
+        assert w.observed(RUNNING, mark, T0 + 11).verdict is not None, mark
+    assert not shows_output((-1, 0)) and not shows_output(((0, ""), (1, "")))
 
 
 def test_a_backend_that_cannot_tell_progress_is_never_called_hung() -> None:

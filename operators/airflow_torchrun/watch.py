@@ -279,8 +279,8 @@ class Watch:
             self._progress_at = now
             return None
         if mark != self._mark:
-            # A change after the first look is the group's first sign of life (output, a step).
-            self._alive = self._alive or self._mark is not None
+            # A sign of life: the mark changed after the first look, or it already shows output.
+            self._alive = self._alive or self._mark is not None or shows_output(mark)
             self._mark, self._progress_at = mark, now
             return None
         # Before its first sign of life a group is starting (interpreter, imports, data, rendezvous),
@@ -296,6 +296,21 @@ class Watch:
             )
             return Verdict(Outcome.PROGRESS_TIMEOUT, reason, self._nodes)
         return None
+
+
+def shows_output(mark: object) -> bool:
+    """Whether a backend's progress mark already shows output: a log size above 0 (local, one per
+    node), a last log line's timestamp (Kubernetes, ``(node_rank, timestamp)`` per running node),
+    a step (progress records)."""
+    if isinstance(mark, tuple) and len(mark) == 2 and isinstance(mark[0], int) and isinstance(mark[1], str):
+        return bool(mark[1])
+    if isinstance(mark, tuple | list):
+        return any(shows_output(part) for part in mark)
+    if isinstance(mark, bool) or mark is None:
+        return bool(mark)
+    if isinstance(mark, int | float):
+        return mark > 0
+    return bool(mark)
 
 
 def watch_sync(

@@ -239,7 +239,7 @@ def run_trial(
     torn = 0
     resumed = []
     for root, step in RESUMED.findall(result.log):
-        store = CheckpointStore(root)
+        store = CheckpointStore(root, task.get("storage_options") or {})  # type: ignore[arg-type]
         resumed.append(int(step))
         if not store.is_committed(int(step)) or store.verify(int(step)):
             torn += 1
