@@ -98,6 +98,12 @@ def look(handle: GroupHandle, now: float | None = None, *, succeeded: bool = Fal
     entry = _followed(handle)
     with entry.lock:
         if succeeded and (entry.status is None or entry.status.state is not GroupState.SUCCEEDED):
+            try:  # what the ranks reported (their logs outlive a local group; pods' may not)
+                for record in parse_records(entry.backend.read_progress_lines(handle)):
+                    raised, _cleared = entry.board.add([record])
+                    entry.seen += raised
+            except Exception:  # the group's end is known; its steps are a bonus
+                pass
             nodes = [
                 NodeObservation(node_rank=n, phase=NodePhase.SUCCEEDED, exit_code=0) for n in range(handle.num_nodes)
             ]
