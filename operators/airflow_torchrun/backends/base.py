@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from airflow_torchrun.backends.handles import GroupHandle, KubernetesHandle, LocalHandle
 
 if TYPE_CHECKING:
+    from airflow_torchrun.diagnosis import RankFailure
     from airflow_torchrun.spec import GroupSpec
     from airflow_torchrun.status import GroupStatus, NodeObservation
     from airflow_torchrun.wiring import GroupIdentity, GroupPlan
@@ -45,6 +46,20 @@ class FailureReport:
     signal: str | None = None
     collateral: bool = False  # the root cause only followed something else (a peer's death, a stop)
     headline: str = ""  # the root cause in one line ("rank 1 (node 1, local rank 0) was killed by ...")
+
+    @classmethod
+    def of(cls, message: str, retryable: bool, cause: RankFailure | None) -> FailureReport:
+        """The report of a failure whose root cause the diagnosis found (``None``: not known)."""
+        if cause is None:
+            return cls(message=message, retryable=retryable)
+        return cls(
+            message=message,
+            retryable=retryable,
+            exit_code=cause.exit_code,
+            signal=cause.signal,
+            collateral=cause.collateral,
+            headline=cause.headline(),
+        )
 
 
 class RelaunchKind(StrEnum):

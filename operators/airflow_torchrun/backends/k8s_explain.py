@@ -83,16 +83,7 @@ def explain_failure(
         extra = (["Kubernetes reports: " + "; ".join(platform)] if platform else []) + hints
         message = "\n".join([head, *extra, *([rest] if rest else [])])
     retryable = all(n.retryable for n in failed) and (cause.retryable if cause else True)
-    if cause is None:
-        return FailureReport(message=message, retryable=retryable)
-    return FailureReport(
-        message=message,
-        retryable=retryable,
-        exit_code=cause.exit_code,
-        signal=cause.signal,
-        collateral=cause.collateral,
-        headline=cause.headline(),
-    )
+    return FailureReport.of(message, retryable, cause)
 
 
 def _startup_timeout(

@@ -230,16 +230,7 @@ class LocalBackend(Backend):
         )
         if status.state.value == "startup_timeout":
             message = f"Training group {handle.group_id} could not start: {status.reason}.\n{message}"
-        if cause is None:
-            return FailureReport(message=message, retryable=diagnosis.retryable(failures))
-        return FailureReport(
-            message=message,
-            retryable=diagnosis.retryable(failures),
-            exit_code=cause.exit_code,
-            signal=cause.signal,
-            collateral=cause.collateral,
-            headline=cause.headline(),
-        )
+        return FailureReport.of(message, diagnosis.retryable(failures), cause)
 
     def process_groups(self, handle: LocalHandle) -> list[dict[str, Any]] | None:
         """The launchers' ``process_group.json`` files beside torchrun's per-rank error files."""
