@@ -133,7 +133,7 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
 def render_task(args: argparse.Namespace) -> str:
     """The YAML for ``args`` (the ``render`` subcommand's work, without printing)."""
     from airflow_torchrun.backends.k8s_render import to_yaml
-    from airflow_torchrun.backends.kubernetes import KubernetesBackend
+    from airflow_torchrun.backends.kubernetes import KubernetesBackend, deployment_name
     from airflow_torchrun.runtimes import load_runtimes
     from airflow_torchrun.wiring import GroupIdentity
 
@@ -161,6 +161,7 @@ def render_task(args: argparse.Namespace) -> str:
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
     backend = KubernetesBackend(
         namespace=args.namespace or task.namespace,
+        deployment=deployment_name(create=False),
         runtimes=catalog,
         active_deadline_seconds=task.kubernetes_settings().active_deadline_seconds,
     )
@@ -174,7 +175,7 @@ def render_task(args: argparse.Namespace) -> str:
     rendered = backend.render(backend.plan(spec, identity, extra_env))
     header = (
         f"# airflow-torchrun render: {task.dag_id}.{task.task_id}, run {args.run_id}, try {args.try_number}, "
-        f"namespace {rendered.namespace}\n"
+        f"namespace {rendered.namespace}, deployment {backend.deployment}\n"
         "# At launch the Service also gets an ownerReference to the Job, and selects the Job's pods by its\n"
         "# batch.kubernetes.io/controller-uid (both need the Job's uid).\n"
     )

@@ -77,9 +77,10 @@ CONFIG_OPTIONS = {
     "kubernetes_conn_id": _option("Airflow connection of the cluster.", "kubernetes_default"),
     "kubernetes_namespace": _option("Namespace of the training Jobs.", "default", "ml-training"),
     "deployment": _option(
-        "This Airflow deployment's name in its Jobs' identity and labels (a Kubernetes label value). Give "
-        "each deployment that shares a namespace with another its own, the same on all of its workers.",
-        "default",
+        "This Airflow deployment's name in its Jobs' identity and labels (a Kubernetes label value), the same "
+        "on all of its workers. Unset, a deployment makes a name of its own on first use and keeps it in the "
+        "Variable torchrun_deployment.",
+        None,
         "prod-eu",
     ),
 }

@@ -108,8 +108,12 @@ def plan(
     log_dir: str | None = None,
     cpus_per_node: float | None = None,
     extra_env: Mapping[str, str] | None = None,
+    group_id: str | None = None,
 ) -> GroupPlan:
     """Render every node's torchrun command and environment. Pure: no I/O, no clock.
+
+    ``group_id`` is the group's name where the backend names it otherwise than
+    :attr:`GroupIdentity.group_id` (a Kubernetes Job's name holds the deployment too).
 
     ``log_dir`` may hold ``{node_rank}``. ``extra_env`` carries what the operator and the platform
     add: the rank contract (checkpoint, shard and MLflow variables), storage access, a Kubernetes
@@ -118,7 +122,7 @@ def plan(
     reach a rank only from the operator and the wiring, whatever ``spec.env`` holds.
     """
     user_env = {k: v for k, v in spec.env.items() if k not in CONTRACT_ENV and k not in RESERVED_ENV}
-    group_id = identity.group_id
+    group_id = group_id or identity.group_id
     nodes = []
     for node_rank in range(spec.num_nodes):
         argv = [

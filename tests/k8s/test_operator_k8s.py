@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from airflow_torchrun.backends.k8s_render import CONTROLLER_UID_LABEL, INSTANCE_LABEL
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
+from airflow_torchrun.backends.kubernetes import DEPLOYMENT_VARIABLE, KubernetesBackend, deployment_name
 from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.wiring import GroupIdentity
 from tests.conftest import DagResult
@@ -294,7 +298,9 @@ def leave_group_behind(**context: Any) -> None:
     """
     ti = context["ti"]
     train = context["dag"].get_task("train")
-    backend = KubernetesBackend(namespace=train.namespace, kubernetes_conn_id=train.kubernetes_conn_id)
+    backend = KubernetesBackend(
+        namespace=train.namespace, kubernetes_conn_id=train.kubernetes_conn_id, deployment=deployment_name()
+    )
     identity = GroupIdentity(dag_id=ti.dag_id, task_id="train", run_id=ti.run_id, try_number=1)
     backend.launch(backend.plan(train.group_spec(), identity, {}))
 
@@ -351,3 +357,100 @@ def test_on_kill_deletes_the_group(cluster: FakeKubeAPI, run_dag) -> None:
     assert f"Group {job} was stopped: the task was killed (on_kill)" in result.log
     assert "no longer exists" not in result.log
     assert not [k for k in cluster.objects if k[0] in ("jobs", "pods", "services")]
+
+
+# -- two deployments on the defaults -----------------------------------------------------------------
+SHARED_DAG = """
+import pendulum
+from airflow.sdk import DAG
+from airflow_torchrun import DistributedTrainingOperator
+
+with DAG("shared_ids", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False) as dag:
+    DistributedTrainingOperator(
+        task_id="train", backend="kubernetes", runtime="cpu", script="/opt/trainer/train.py", num_nodes=2,
+        poll_interval=0.05, startup_timeout=20, track=False,
+    )
+
+if __name__ == "__main__":  # one run whose run id is the same in every deployment, like a scheduled one
+    when = pendulum.datetime(2026, 1, 1)
+    run = dag.test(run_after=when, logical_date=when)
+    print("RUN", run.run_id, run.state)
+"""
+
+
+def deployment_env(home: Path, dags: Path) -> dict[str, str]:
+    """An Airflow deployment of its own: its home, metadata database and state; no [torchrun] deployment."""
+    env = {k: v for k, v in os.environ.items() if k != "AIRFLOW__TORCHRUN__DEPLOYMENT"}
+    home.mkdir()
+    env.update(
+        AIRFLOW_HOME=str(home),
+        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{home}/airflow.db",
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags),
+        AIRFLOW__TORCHRUN__STATE_DIR=str(home / "torchrun"),
+    )
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    return env
+
+
+def stored_deployment(env: dict[str, str]) -> str:
+    command = [sys.executable, "-m", "airflow", "variables", "get", DEPLOYMENT_VARIABLE]
+    return subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_two_deployments_on_the_defaults_never_attach_to_each_others_group(
+    cluster: FakeKubeAPI, tmp_path: Path
+) -> None:
+    """Two Airflow deployments, each with its own database and neither with ``[torchrun]
+    deployment`` set, run the same DAG with the same run id (what every scheduled run is) into one
+    namespace. The second starts while the first one's group runs: it launches a Job of its own,
+    and the first one's Job is neither attached to nor deleted until the first task ends it."""
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / "shared_ids.py").write_text(textwrap.dedent(SHARED_DAG))
+    first_env, second_env = deployment_env(tmp_path / "first", dags), deployment_env(tmp_path / "second", dags)
+    release = threading.Event()
+
+    def first_runs_until_released(fake: FakeKubeAPI, job: str) -> None:
+        if created_jobs(fake)[0] != job:
+            return succeed(fake, job)
+        keep_running(fake, job)
+        threading.Thread(target=lambda: (release.wait(120), succeed_now(fake, job)), daemon=True).start()
+
+    command = [sys.executable, str(dags / "shared_ids.py")]
+    with Autopilot(cluster, first_runs_until_released):
+        first = subprocess.Popen(command, env=first_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not created_jobs(cluster) and time.monotonic() < deadline and first.poll() is None:
+                time.sleep(0.2)
+            if not created_jobs(cluster):
+                first.kill()
+                raise AssertionError(f"the first deployment launched no Job: {first.communicate()[0][-3000:]}")
+            (first_job,) = created_jobs(cluster)
+            second = subprocess.run(command, env=second_env, capture_output=True, text=True, timeout=240, check=False)
+            second_out = second.stdout + second.stderr
+            assert ("jobs", NS, first_job) in cluster.objects, (
+                f"the first one's Job is gone before its task ended it: {second_out[-3000:]}"
+            )
+        finally:
+            release.set()
+            first_out, _ = first.communicate(timeout=240)
+    assert first.returncode == 0 and second.returncode == 0, (first_out[-3000:], second_out[-3000:])
+    same_run = "RUN manual__2026-01-01T00:00:00+00:00 success"
+    assert same_run in first_out and same_run in second_out, (first_out[-3000:], second_out[-3000:])
+    first_job, second_job = created_jobs(cluster)
+    assert second_job != first_job
+    assert "Attaching to group" not in second_out, second_out[-3000:]
+    identities = stored_deployment(first_env), stored_deployment(second_env)
+    assert identities[0] != identities[1]
+    labels = [job["metadata"]["labels"]["airflow-torchrun/deployment"] for job in posted_jobs(cluster)]
+    assert labels == list(identities)
+    # Each deployment deleted its own Job and only that one.
+    deleted = {c.path.rsplit("/", 1)[1] for c in cluster.calls if c.method == "DELETE" and "/jobs/" in c.path}
+    assert deleted == {first_job, second_job}
+
+
+def succeed_now(fake: FakeKubeAPI, job: str) -> None:
+    for index in (0, 1):
+        fake.add_log(fake.pod(NS, job, index)["metadata"]["name"], f"[node {index} rank {index}] done")
+    fake.set_terminated(NS, job, None, exit_code=0, reason="Completed")

@@ -80,6 +80,8 @@ class KubernetesHandle(GroupHandle):
     cluster_context: str | None = None
     in_cluster: bool | None = None
     all_ranks_logs: bool = False
+    # The Airflow deployment whose group this is (a relaunch from this handle keeps its identity).
+    deployment: str | None = None
 
 
 _TYPES: dict[str, type[GroupHandle]] = {cls.backend: cls for cls in (LocalHandle, KubernetesHandle)}

@@ -29,6 +29,7 @@ from airflow_torchrun.backends.k8s_explain import MAX_TAILS
 from airflow_torchrun.backends.k8s_logs import tail_flow
 from airflow_torchrun.backends.k8s_observe import GroupState, pods_flow
 from airflow_torchrun.backends.k8s_render import (
+    ANN_DEPLOYMENT,
     ANN_GROUP_ID,
     ANN_MASTER_ADDR,
     ANN_MASTER_PORT,
@@ -245,6 +246,7 @@ def handle_from_job(
         cluster_context=connection.cluster_context,
         in_cluster=connection.in_cluster,
         all_ranks_logs=all_ranks_logs,
+        deployment=ann.get(ANN_DEPLOYMENT),
     )
 
 

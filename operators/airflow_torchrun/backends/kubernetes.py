@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import secrets
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,50 @@ def _config(key: str) -> str | None:
     return value or None
 
 
+# The Variable in which a deployment keeps the identity it made itself, when ``[torchrun]
+# deployment`` is unset: every worker of one deployment reads the same metadata database, and no
+# other deployment does, so the name is shared where it must be and differs where it must.
+DEPLOYMENT_VARIABLE = "torchrun_deployment"
+_DEPLOYMENT_DESCRIPTION = (
+    "airflow-torchrun: this Airflow deployment's identity in the names and labels of its training Jobs, made "
+    "on first use. Keep it while Jobs of this deployment may still exist; never copy it to another deployment "
+    "(set [torchrun] deployment instead to choose the name)."
+)
+
+
+def deployment_name(*, create: bool = True) -> str:
+    """This deployment's identity in its Jobs: ``[torchrun] deployment``, else its own Variable.
+
+    With neither, inside a task (``create``) a random name is kept in :data:`DEPLOYMENT_VARIABLE`
+    and read back, so that two tasks starting at once settle on the one stored last. Where no
+    Variable can be read or written (``render`` without a database, tests outside Airflow), the
+    name is :data:`DEFAULT_DEPLOYMENT`, as before deployments had identities, with a warning when
+    a task meant to create one.
+    """
+    configured = _config("deployment")
+    if configured:
+        return configured
+    try:
+        from airflow.sdk import Variable
+
+        stored = Variable.get(DEPLOYMENT_VARIABLE, default=None)
+        if stored is None and create:
+            Variable.set(DEPLOYMENT_VARIABLE, f"af-{secrets.token_hex(5)}", description=_DEPLOYMENT_DESCRIPTION)
+            stored = Variable.get(DEPLOYMENT_VARIABLE, default=None)
+    except Exception as exc:  # no metadata database or API server here: the old shared default
+        if create:
+            log.warning(
+                "The Variable %s (this deployment's identity in its Jobs) cannot be read or written here (%s); "
+                "Jobs are named for deployment %r, which another Airflow deployment sharing the namespace may use "
+                "too. Set [torchrun] deployment to a name of this deployment's own.",
+                DEPLOYMENT_VARIABLE,
+                exc,
+                DEFAULT_DEPLOYMENT,
+            )
+        return DEFAULT_DEPLOYMENT
+    return str(stored) if stored else DEFAULT_DEPLOYMENT
+
+
 class KubernetesBackend(Backend):
     """Runs a group as an Indexed Job plus a headless Service in one namespace.
 
@@ -102,8 +147,9 @@ class KubernetesBackend(Backend):
     :param runtimes: The runtimes to choose from; default: those configured (see
         :mod:`airflow_torchrun.runtimes`).
     :param deployment: The Airflow deployment's name in the Jobs' identity and labels; default
-        ``[torchrun] deployment``, else ``default``. Two deployments that share a namespace must
-        have different ones, or they could attach to each other's groups (same dag and run ids).
+        ``[torchrun] deployment``, else ``default``. The operator passes :func:`deployment_name`,
+        which gives every deployment a name of its own. Two deployments that share a namespace
+        must have different ones, or they could attach to each other's groups (same dag and run ids).
     :param active_deadline_seconds: The Job's ``activeDeadlineSeconds`` (the operator passes the
         task's ``execution_timeout``); ``None``: no deadline of the Job's own.
     """
@@ -176,6 +222,7 @@ class KubernetesBackend(Backend):
             cluster_context=handle.cluster_context,
             in_cluster=handle.in_cluster,
             all_ranks_logs=handle.all_ranks_logs,
+            deployment=handle.deployment,
         )
 
     @property
@@ -224,6 +271,7 @@ class KubernetesBackend(Backend):
             cpus_per_node=runtime.cpus,
             # The operator's contract variables win over the platform's defaults.
             extra_env={**runtime.env, **extra_env},
+            group_id=name,  # what kubectl shows is what the task log and XCom say
         )
 
     def render(self, group_plan: GroupPlan) -> RenderedGroup:

@@ -269,9 +269,12 @@ class GroupOperator(BaseOperator):
         from airflow_torchrun.backends.base import backend_for
 
         if self.backend == "kubernetes":
+            from airflow_torchrun.backends.kubernetes import deployment_name
+
             k = self.kubernetes_settings()
             return backend_for(
                 "kubernetes",
+                deployment=deployment_name(),
                 namespace=k.namespace,
                 kubernetes_conn_id=k.kubernetes_conn_id,
                 all_ranks_logs=k.all_ranks_logs,
