@@ -76,9 +76,14 @@ def test_agent_killed_with_sigkill_leaves_no_orphaned_worker(tmp_path, tiny_scri
         os.kill(sup["agent_pid"], signal.SIGKILL)
         status = _terminal(backend, handle, what="the group to fail")
         assert status.state is GroupState.FAILED
-        assert status.nodes[1].signal == "SIGKILL"
-        # node 1's supervisor reaped the orphaned worker itself, before anyone tore the group down
-        assert group_pids(handle.group_id, node_rank=1) == []
+        # Node 0 may be seen failing first (its rank lost its peer); node 1's outcome follows.
+        node1 = _until(
+            lambda: (n := backend.observe(handle)[1]).finished_at and n.exit_code is not None and n,
+            what="node 1's outcome",
+        )
+        assert node1.signal == "SIGKILL"
+        # node 1's supervisor reaped the orphaned worker itself (and exited), before any teardown
+        _until(lambda: group_pids(handle.group_id, node_rank=1) == [], timeout=10, what="node 1 to end by itself")
     finally:
         backend.teardown(handle)
     assert group_pids(handle.group_id) == []
@@ -198,3 +203,50 @@ def test_a_stopped_agent_keeps_its_exit_code_in_exit_json(tmp_path):
     outcome = json.loads((node_dir / "exit.json").read_text())
     assert outcome["returncode"] == 3, outcome
     assert outcome["stopped_by"] == "SIGTERM"
+
+
+def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tiny_script):
+    """torchrun's agent takes a second or more to stop a node whose rank died. The node counts as
+    failed from the agent's first report (so the rest of the group is stopped that much sooner),
+    and the teardown lets that agent finish, so the report still names the rank and its signal."""
+    backend, handle = _launch(tmp_path, tiny_script)
+    node1 = Path(handle.group_dir) / "node-1"
+    try:
+        _until(lambda: _workers_running(backend, handle), what="ranks to start")
+        sup = json.loads((node1 / "supervisor.json").read_text())
+        (rank,) = [p for p in group_pids(handle.group_id, node_rank=1) if p not in (sup["pid"], sup["agent_pid"])]
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (nodes := backend.observe(handle))[1].phase is NodePhase.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.02)
+        agent_done = (node1 / "exit.json").exists()
+        assert nodes[1].phase is NodePhase.FAILED, nodes
+        assert not agent_done, "node 1 was seen failed only once its agent had exited"
+        assert nodes[1].reason == "local rank 0 was killed by SIGKILL; its torchrun agent is stopping the node"
+        assert nodes[0].phase is NodePhase.RUNNING
+    finally:
+        backend.teardown(handle)
+    assert group_pids(handle.group_id) == []
+    exits = [json.loads((Path(handle.group_dir) / f"node-{n}" / "exit.json").read_text()) for n in (0, 1)]
+    assert exits[0]["stopped_by"] == "SIGTERM" and exits[1]["stopped_by"] is None
+    status = group_status(backend.observe(handle), launched_at=handle.launched_at, now=time.time(), startup_timeout=60)
+    report = backend.explain(handle, status)
+    assert report.signal == "SIGKILL" and report.headline.startswith("rank 1 "), report.message
+
+
+def test_the_agents_failure_report_is_found_only_once_its_line_is_whole(tmp_path):
+    from airflow_torchrun.backends.local_supervisor import _FailureScan
+
+    log = tmp_path / "node.log"
+    log.write_bytes(b"[node 0 rank 0] step 1\n")
+    scan = _FailureScan(log)
+    assert scan.line() is None
+    report = b"E1201 12:00:00.000000 7564 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9)"
+    with open(log, "ab") as fp:  # the report arrives in three writes, split inside its marker
+        for part in (report[:70], report[70:]):
+            fp.write(part)
+            fp.flush()
+            assert scan.line() is None
+        fp.write(b" local_rank: 0 (pid: 7573) of binary: python\n")
+    line = scan.line()
+    assert line is not None and line.startswith("E1201") and line.endswith("of binary: python")

@@ -69,8 +69,9 @@ def test_a_storage_outage_before_launch_is_waited_for(run_dag, tiny_script, rest
     bucket = restartable_s3.s3.make_bucket()
     _connection(monkeypatch, restartable_s3)
     restartable_s3.stop()
-    restartable_s3.start_after(12.0)
-    result = run_dag(_task(tiny_script, bucket, preflight_budget=60, retries=0))
+    # Down long enough to be seen down even when starting the DAG run takes 15 s (a loaded machine).
+    restartable_s3.start_after(25.0)
+    result = run_dag(_task(tiny_script, bucket, preflight_budget=90, retries=0))
     assert result.state == "success", result.log[-4000:]
     assert result.try_number("train") == 1
     assert "checking checkpoint storage failed (transient" in result.log

@@ -121,6 +121,10 @@ def test_a_slow_start_is_not_a_hang_but_silence_past_startup_timeout_is() -> Non
     verdict = w.observed(RUNNING, (0, 0), T0 + 121).verdict
     assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT
     assert "since launch, with no output at all" in verdict.reason and "startup_timeout=120s" in verdict.reason
+    # Logs that appear, empty, as the nodes start (size -1, then 0) are no output either.
+    w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
+    for t, mark in ((1, (-1, -1)), (2, (0, -1)), (3, (0, 0)), (60, (0, 0))):
+        assert w.observed(RUNNING, mark, T0 + t).verdict is None, (t, mark)
     # Once it has said anything, progress_timeout alone applies.
     w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
     assert w.observed(RUNNING, (0, 0), T0 + 1).verdict is None

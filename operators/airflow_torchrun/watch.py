@@ -279,8 +279,8 @@ class Watch:
             self._progress_at = now
             return None
         if mark != self._mark:
-            # A sign of life: the mark changed after the first look, or it already shows output.
-            self._alive = self._alive or self._mark is not None or shows_output(mark)
+            # A sign of life is output, not a change: a node's log appearing empty is none.
+            self._alive = self._alive or shows_output(mark)
             self._mark, self._progress_at = mark, now
             return None
         # Before its first sign of life a group is starting (interpreter, imports, data, rendezvous),

@@ -19,6 +19,8 @@ import asyncio
 import errno
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +33,8 @@ from typing import Any
 from airflow_torchrun import diagnosis
 from airflow_torchrun.backends.base import Backend, FailureReport, Relaunch, RelaunchKind
 from airflow_torchrun.backends.handles import LocalHandle
-from airflow_torchrun.backends.procs import group_pids, pid_alive, stop_group
+from airflow_torchrun.backends.local_supervisor import RANK_FAILED_FILE
+from airflow_torchrun.backends.procs import group_pids, pid_alive, signal_pids, stop_group
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec
 from airflow_torchrun.state import state_dir as default_state_dir
@@ -174,6 +177,17 @@ class LocalBackend(Backend):
                 finished_at=time.time(),
                 reason=f"its supervisor (pid {sup['pid']}) died without recording an outcome",
             )
+        failed = _read_json(node_dir / RANK_FAILED_FILE)
+        if failed is not None:
+            # The agent saw a worker fail and is stopping the node: a failed node from now on, a
+            # second or more before exit.json, so the rest of the group is stopped that much sooner.
+            return NodeObservation(
+                node_rank=node_rank,
+                phase=NodePhase.FAILED,
+                started_at=sup.get("started_at"),
+                finished_at=failed.get("at"),
+                reason=f"{_worker_failure(str(failed.get('line', '')))}; its torchrun agent is stopping the node",
+            )
         return NodeObservation(node_rank=node_rank, phase=NodePhase.RUNNING, started_at=sup.get("started_at"))
 
     # -- logs -------------------------------------------------------------------------------
@@ -285,7 +299,24 @@ class LocalBackend(Backend):
         Idempotent and total: supervisors, agents and workers (whatever their session or parent)
         are found by the group's marker.
         """
-        stop_group(handle.group_id, grace=handle.teardown_grace)
+        group_id, grace = handle.group_id, handle.teardown_grace
+        failing = [n for n in range(handle.num_nodes) if self._agent_stopping(handle, n)]
+        if failing:
+            # Those agents are already stopping their nodes: let them end on their own (what they
+            # print last names the failed rank) while every other node is stopped at once.
+            deadline = time.monotonic() + grace
+            for n in range(handle.num_nodes):
+                if n not in failing:
+                    signal_pids(group_pids(group_id, n), signal.SIGTERM)
+            while time.monotonic() < deadline and any(group_pids(group_id, n) for n in failing):
+                time.sleep(0.05)
+            grace = max(0.0, deadline - time.monotonic())
+        stop_group(group_id, grace=grace)
+
+    @staticmethod
+    def _agent_stopping(handle: LocalHandle, node_rank: int) -> bool:
+        node_dir = Path(handle.group_dir) / f"node-{node_rank}"
+        return (node_dir / RANK_FAILED_FILE).exists() and not (node_dir / "exit.json").exists()
 
     def stop_earlier_tries(self, identity: GroupIdentity) -> list[str]:
         """Stop groups that earlier tries of this task instance left running (a deferred task
@@ -323,6 +354,23 @@ class _LineReader:
         if rest:
             self._partial[path] = rest
         return [raw.decode("utf-8", "replace") for raw in lines]
+
+
+_AGENT_REPORT = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def _worker_failure(line: str) -> str:
+    """``local rank 0 was killed by SIGKILL`` from the agent's report line (``a rank failed`` if unclear)."""
+    m = _AGENT_REPORT.search(line)
+    if m is None:
+        return "a rank failed"
+    code, local_rank = int(m[1]), m[2]
+    if code < 0:
+        try:
+            return f"local rank {local_rank} was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"local rank {local_rank} exited with code {code}"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -2,10 +2,12 @@
 
 The local backend starts one supervisor per node, each the leader of a new session. The
 supervisor runs the node's torchrun agent and records on disk what a watcher in another process
-needs (a deferrable trigger, a re-attaching worker): ``supervisor.json`` when it starts and
-``exit.json`` when the agent is gone. It becomes a child subreaper so that workers orphaned by a
-dying agent are re-parented to it and reaped, and on SIGTERM, or when ``--watch-pid`` dies (the
-sync-mode Airflow task process), it stops every process of its node. Imports stay light: no
+needs (a deferrable trigger, a re-attaching worker): ``supervisor.json`` when it starts,
+``rank-failed.json`` as soon as the agent reports a failed worker (the agent itself takes a second
+or more to stop the node and exit), and ``exit.json`` when the agent is gone. It becomes a child
+subreaper so that workers orphaned by a dying agent are re-parented to it and reaped, and on
+SIGTERM, or when ``--watch-pid`` dies (the sync-mode Airflow task process), it stops every process
+of its node. Imports stay light: no
 torch, no Airflow.
 """
 
@@ -25,6 +27,35 @@ from airflow_torchrun.backends.procs import pid_alive, stop_group
 from airflow_torchrun.wiring import GROUP_ID_VAR, NODE_RANK_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
+# What torch.distributed.elastic's agent logs the moment it sees a worker of its node fail
+# (``failed (exitcode: -9) local_rank: 0 (pid: 7573) of binary: ...``); it then stops the node.
+WORKER_FAILED = b"failed (exitcode: "
+RANK_FAILED_FILE = "rank-failed.json"
+
+
+class _FailureScan:
+    """Watches the node's log, as it grows, for the agent's first report of a failed worker."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.carry = path, 0, b""
+
+    def line(self) -> str | None:
+        """The report's line, once it has been written; None before (and after an unreadable log)."""
+        try:
+            with open(self.path, "rb") as fp:
+                fp.seek(self.offset)
+                chunk = fp.read(1 << 20)
+        except OSError:
+            return None
+        self.offset += len(chunk)
+        text = self.carry + chunk
+        at = text.find(WORKER_FAILED)
+        if at < 0 or text.find(b"\n", at) < 0:  # wait for the whole line
+            # Keep the line still being written: the report may be on it, or be starting.
+            self.carry = text[text.rfind(b"\n", 0, at if at >= 0 else len(text)) + 1 :][-4096:]
+            return None
+        start = text.rfind(b"\n", 0, at) + 1
+        return text[start : text.find(b"\n", at)].decode("utf-8", "replace")
 
 
 def write_json(path: Path, data: dict[str, object]) -> None:
@@ -92,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     watch_parent = args.watch_pid and args.watch_pid == os.getppid()
+    scan: _FailureScan | None = _FailureScan(node_dir / "node.log")
     returncode: int | None = None
     while returncode is None:
+        reported = scan.line() if scan is not None and not stop_reason else None
+        if reported is not None:
+            scan = None
+            write_json(node_dir / RANK_FAILED_FILE, {"at": time.time(), "line": reported[-500:]})
         gone = (os.getppid() != args.watch_pid) if watch_parent else not pid_alive(args.watch_pid)
         if not stop_reason and args.watch_pid and gone:
             stop_reason.append(f"watched process {args.watch_pid} exited")
