@@ -42,42 +42,11 @@ from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
 from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.wiring import NODE_RANK_VAR
 from tests import s3_fixtures
-from tests.chaos.conftest import Trial, record, trials
-from tests.conftest import ROOT, make_runner
+from tests.chaos.conftest import FINAL, IMPORTS, SEED, STEP, Trial, record, trainer_task, trials
 
 pytestmark = pytest.mark.slow
 
-TRAINER = ROOT / "images" / "trainer" / "train.py"
-# 2 epochs of digits on 2 nodes (about 46 steps), a checkpoint every 10 steps, a progress line
-# every step; a wider hidden layer makes each checkpoint write long enough to be caught in it.
-ARGS = ["--epochs", "2", "--batch-size", "32", "--checkpoint-every", "10", "--log-every", "1", "--hidden", "2048"]
-FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
-# torchrun's --tee prefixes each line ("[default0]:"): no anchor.
-STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 train INFO step (\d+)/\d+")
 RESUMED = re.compile(r"resuming from (\S+)/step-0*(\d+) \(step \d+\)")
-SEED = int(os.environ.get("CHAOS_SEED", str(int(time.time()))))
-IMPORTS = "from datetime import timedelta"
-
-
-def _task(**kwargs: object) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in {"track": False, **kwargs}.items())
-    return f"""
-    DistributedTrainingOperator(
-        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1,
-        script_args={ARGS!r}, retry_delay=timedelta(0), teardown_grace=5, {args}
-    )
-    """
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(airflow_db: Path, request: pytest.FixtureRequest) -> str:
-    run, cleanup = make_runner(None)
-    request.addfinalizer(cleanup)
-    result = run(_task(retries=0), imports=IMPORTS)
-    assert result.state == "success", result.node_logs("train")[-4000:]
-    found = FINAL.findall(result.node_logs("train"))
-    assert found
-    return str(found[-1][1])
 
 
 # -- the faults -----------------------------------------------------------------------------------
@@ -230,7 +199,7 @@ def run_trial(
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
     injector = Injector(state_dir, rng.randint(8, 38), make(rng))
     injector.start()
-    result = run_dag(_task(**task), imports=IMPORTS)
+    result = run_dag(trainer_task(**task), imports=IMPORTS)
     injector.join(5)
     launches = result.xcom("train", key="launches") or {}
     final = result.xcom("train", key="group") or {}
@@ -274,6 +243,7 @@ def test_fault(run_dag: Callable[..., Any], uninterrupted: str, fault: str) -> N
     _judge(fault, [run_trial(run_dag, fault, make, uninterrupted, n, **task) for n in range(trials())])
 
 
+@pytest.mark.fault("S3 endpoint down 20 s (in-try restart)")
 def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str) -> None:
     fault = "S3 endpoint down 20 s (in-try restart)"
     server = s3_fixtures.RestartableS3()
@@ -296,6 +266,7 @@ def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted
     _judge(fault, results)
 
 
+@pytest.mark.fault("checkpoint store out of space")
 def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Path) -> None:
     """A store that fills up: the task fails at once (no restart, no retry) saying the device is
     full, the newest committed step still verifies, and nothing is left running."""
@@ -310,7 +281,7 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
     try:
         for n in range(trials()):
             root = mount / f"ckpt-{n}"
-            result = run_dag(_task(retries=2, max_restarts=2, checkpoint_uri=f"file://{root}"), imports=IMPORTS)
+            result = run_dag(trainer_task(retries=2, max_restarts=2, checkpoint_uri=f"file://{root}"), imports=IMPORTS)
             group = (result.xcom("train", key="group") or {}).get("group_id")
             store = CheckpointStore(f"file://{root}")
             committed = store.committed()
@@ -326,6 +297,7 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.fault("MLflow server down 20 s")
 def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -373,6 +345,7 @@ module.dag.test()
 """
 
 
+@pytest.mark.fault("kill -9 the Airflow worker")
 def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], airflow_db: Path) -> None:
     import subprocess
     import sys
@@ -390,7 +363,7 @@ def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], air
             "import pendulum\nfrom datetime import timedelta\nfrom airflow.sdk import DAG\n"
             "from airflow_torchrun import DistributedTrainingOperator\n"
             f"with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:\n"
-            + _task(retries=0)
+            + trainer_task(retries=0)
         )
         worker: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -410,7 +383,7 @@ def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], air
         gone_after = (time.time() - injector.at) if injector.at else None
         path.unlink(missing_ok=True)
         # The task runs again (the next run of it, in this process): it trains to the end.
-        again = run_dag(_task(retries=0), imports=IMPORTS)
+        again = run_dag(trainer_task(retries=0), imports=IMPORTS)
         ok = injector.injected and worker["proc"].returncode == -signal.SIGKILL and again.state == "success"
         note = f"seed {SEED}: step {injector.step}, {injector.note}; group gone {gone_after or 0:.1f}s after the kill"
         trial = record(Trial(fault, injector.injected, ok, None, left, 0, None, note))
