@@ -183,7 +183,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     text = (
-        f"# Chaos matrix ({trials()} trial(s) per fault, local backend, real gloo ranks)\n\n"
+        f"# Chaos matrix ({trials()} trial(s) per fault; local backend with real gloo ranks, Kubernetes "
+        "rows against the fake API server)\n\n"
         f"Seed {SEED} (replay: `CHAOS_SEED={SEED} make chaos TRIALS={trials()}"
         + (f" FAULTS={os.environ.get('CHAOS_FAULTS', '')!r}" if wanted_faults() else "")
         + "`; trial n of a fault draws its step and rank from the seed, the fault and n).\n\n"

@@ -19,8 +19,9 @@ The Airflow worker killed (kill -9 of the process running the task, ``dag.test()
 its own): every process of the group is gone within the teardown grace, and the next run of the
 task trains to the end ("recovered" counts both).
 
-Faults covered elsewhere and not repeated here: the Kubernetes API answering 5xx
-(``tests/k8s/test_operator_faults.py``) and the triggerer restarted (``tests/test_trigger.py``).
+The Kubernetes API answering 5xx for 20 s (sync and deferred, against the fake API server) is in
+``test_chaos_k8s.py``; the triggerer killed while the task is deferred (under ``airflow
+standalone``) in ``test_chaos_triggerer.py``. Both record into the same matrix.
 """
 
 from __future__ import annotations
