@@ -219,7 +219,7 @@ def run_trial(
     if result.state == "success" and not found:
         identical = False
     recovery = _first_step_after(state_dir, injector.group_id, injector.at) if injector.at else None
-    note = f"seed {SEED}: step {injector.step}, {injector.note}"
+    note = f"seed {SEED}: step {injector.step} (seen {injector.last_done} when injected), {injector.note}"
     if result.state != "success":
         tail = [ln for ln in result.log.splitlines() if "Training group" in ln or "was torn down" in ln][-2:]
         note += " | " + " / ".join(line[:300] for line in tail)
