@@ -95,7 +95,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wanted = wanted_faults()
     if not wanted:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         if here not in Path(str(item.path)).parents:
             keep.append(item)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 from tests import s3_fixtures
 from tests.chaos.conftest import SEED, Trial, record, trials
 from tests.k8s import conftest as k8s_fixtures
-from tests.k8s.fake_api import FakeKubeAPI
+from tests.k8s.fake_api import Call, FakeKubeAPI
 from tests.k8s.test_operator_k8s import NS, TASK, Autopilot
 
 pytestmark = pytest.mark.slow
@@ -81,6 +82,13 @@ def left_in(fake: FakeKubeAPI, names: set[str]) -> list[tuple[str, str, str]]:
     ]
 
 
+def _kind(call: Call) -> str:
+    """``GET watch pods``, ``GET log``: what a request was for, without names."""
+    parts = call.path.strip("/").split("/")
+    what = "log" if parts[-1] == "log" else next((r for r in ("jobs", "pods", "services", "events") if r in parts), "?")
+    return f"{call.method} {'watch ' if call.is_watch else ''}{what}"
+
+
 def run_trial(fake: FakeKubeAPI, run_dag: Callable[..., Any], deferrable: bool, n: int) -> Trial:
     fault = FAULTS[deferrable]
     rng = random.Random(f"{SEED}-{fault}-{n}")
@@ -99,9 +107,11 @@ def run_trial(fake: FakeKubeAPI, run_dag: Callable[..., Any], deferrable: bool, 
     left = left_in(fake, set(posted))
     rode_out = "could not look at the group (transient" in result.log and "observing again after" in result.log
     ok = result.task_states == {"train": "success"} and rode_out and len(posted) == 1 and len(services) == 1
+    kinds = ", ".join(f"{k} x{v}" for k, v in Counter(_kind(c) for c in hit).most_common(3))
     note = (
         f"seed {SEED}: HTTP {scenario.status} for {OUTAGE_S:g}s, {scenario.lead_s:.1f}s after the pods ran; "
-        f"{len(hit)} request(s) answered {scenario.status}; Jobs created {len(posted)}, Services {len(services)}"
+        f"{len(hit)} request(s) answered {scenario.status} ({kinds}); "
+        f"Jobs created {len(posted)}, Services {len(services)}"
     )
     if not rode_out:
         note += "; the log does not show the trouble ridden out"
