@@ -43,9 +43,14 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 # The fault matrix (tests/chaos): TRIALS per fault; the report goes to .state/chaos/report.md and .json.
+# FAULTS runs only the faults whose name contains one of its comma-separated parts (case-insensitive),
+# e.g. `make chaos TRIALS=20 FAULTS="kill -9 a"` (the random kills of a rank or agent);
+# SEED replays the random steps and ranks of an earlier report (it prints its seed).
 TRIALS ?= 3
+FAULTS ?=
+SEED ?=
 chaos: $(STAMP)
-	CHAOS_TRIALS=$(TRIALS) $(VENV)/bin/pytest -q tests/chaos
+	CHAOS_TRIALS=$(TRIALS) CHAOS_FAULTS="$(FAULTS)" $(if $(SEED),CHAOS_SEED=$(SEED)) $(VENV)/bin/pytest -q tests/chaos
 
 bench: $(STAMP)
 	$(PY) bench/run.py

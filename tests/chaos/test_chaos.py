@@ -19,8 +19,9 @@ The Airflow worker killed (kill -9 of the process running the task, ``dag.test()
 its own): every process of the group is gone within the teardown grace, and the next run of the
 task trains to the end ("recovered" counts both).
 
-Faults covered elsewhere and not repeated here: the Kubernetes API answering 5xx
-(``tests/k8s/test_operator_faults.py``) and the triggerer restarted (``tests/test_trigger.py``).
+The Kubernetes API answering 5xx for 20 s (sync and deferred, against the fake API server) is in
+``test_chaos_k8s.py``; the triggerer killed while the task is deferred (under ``airflow
+standalone``) in ``test_chaos_triggerer.py``. Both record into the same matrix.
 """
 
 from __future__ import annotations
@@ -42,42 +43,11 @@ from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
 from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.wiring import NODE_RANK_VAR
 from tests import s3_fixtures
-from tests.chaos.conftest import Trial, record, trials
-from tests.conftest import ROOT, make_runner
+from tests.chaos.conftest import FINAL, IMPORTS, SEED, STEP, Trial, record, trainer_task, trials
 
 pytestmark = pytest.mark.slow
 
-TRAINER = ROOT / "images" / "trainer" / "train.py"
-# 2 epochs of digits on 2 nodes (about 46 steps), a checkpoint every 10 steps, a progress line
-# every step; a wider hidden layer makes each checkpoint write long enough to be caught in it.
-ARGS = ["--epochs", "2", "--batch-size", "32", "--checkpoint-every", "10", "--log-every", "1", "--hidden", "2048"]
-FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
-# torchrun's --tee prefixes each line ("[default0]:"): no anchor.
-STEP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 train INFO step (\d+)/\d+")
 RESUMED = re.compile(r"resuming from (\S+)/step-0*(\d+) \(step \d+\)")
-SEED = int(os.environ.get("CHAOS_SEED", str(int(time.time()))))
-IMPORTS = "from datetime import timedelta"
-
-
-def _task(**kwargs: object) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in {"track": False, **kwargs}.items())
-    return f"""
-    DistributedTrainingOperator(
-        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1,
-        script_args={ARGS!r}, retry_delay=timedelta(0), teardown_grace=5, {args}
-    )
-    """
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(airflow_db: Path, request: pytest.FixtureRequest) -> str:
-    run, cleanup = make_runner(None)
-    request.addfinalizer(cleanup)
-    result = run(_task(retries=0), imports=IMPORTS)
-    assert result.state == "success", result.node_logs("train")[-4000:]
-    found = FINAL.findall(result.node_logs("train"))
-    assert found
-    return str(found[-1][1])
 
 
 # -- the faults -----------------------------------------------------------------------------------
@@ -230,7 +200,7 @@ def run_trial(
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
     injector = Injector(state_dir, rng.randint(8, 38), make(rng))
     injector.start()
-    result = run_dag(_task(**task), imports=IMPORTS)
+    result = run_dag(trainer_task(**task), imports=IMPORTS)
     injector.join(5)
     launches = result.xcom("train", key="launches") or {}
     final = result.xcom("train", key="group") or {}
@@ -249,7 +219,7 @@ def run_trial(
     if result.state == "success" and not found:
         identical = False
     recovery = _first_step_after(state_dir, injector.group_id, injector.at) if injector.at else None
-    note = f"seed {SEED}: step {injector.step}, {injector.note}"
+    note = f"seed {SEED}: step {injector.step} (seen {injector.last_done} when injected), {injector.note}"
     if result.state != "success":
         tail = [ln for ln in result.log.splitlines() if "Training group" in ln or "was torn down" in ln][-2:]
         note += " | " + " / ".join(line[:300] for line in tail)
@@ -274,6 +244,7 @@ def test_fault(run_dag: Callable[..., Any], uninterrupted: str, fault: str) -> N
     _judge(fault, [run_trial(run_dag, fault, make, uninterrupted, n, **task) for n in range(trials())])
 
 
+@pytest.mark.fault("S3 endpoint down 20 s (in-try restart)")
 def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str) -> None:
     fault = "S3 endpoint down 20 s (in-try restart)"
     server = s3_fixtures.RestartableS3()
@@ -296,6 +267,7 @@ def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted
     _judge(fault, results)
 
 
+@pytest.mark.fault("checkpoint store out of space")
 def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Path) -> None:
     """A store that fills up: the task fails at once (no restart, no retry) saying the device is
     full, the newest committed step still verifies, and nothing is left running."""
@@ -310,7 +282,7 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
     try:
         for n in range(trials()):
             root = mount / f"ckpt-{n}"
-            result = run_dag(_task(retries=2, max_restarts=2, checkpoint_uri=f"file://{root}"), imports=IMPORTS)
+            result = run_dag(trainer_task(retries=2, max_restarts=2, checkpoint_uri=f"file://{root}"), imports=IMPORTS)
             group = (result.xcom("train", key="group") or {}).get("group_id")
             store = CheckpointStore(f"file://{root}")
             committed = store.committed()
@@ -326,6 +298,7 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.fault("MLflow server down 20 s")
 def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -373,6 +346,7 @@ module.dag.test()
 """
 
 
+@pytest.mark.fault("kill -9 the Airflow worker")
 def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], airflow_db: Path) -> None:
     import subprocess
     import sys
@@ -390,7 +364,7 @@ def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], air
             "import pendulum\nfrom datetime import timedelta\nfrom airflow.sdk import DAG\n"
             "from airflow_torchrun import DistributedTrainingOperator\n"
             f"with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:\n"
-            + _task(retries=0)
+            + trainer_task(retries=0)
         )
         worker: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -410,7 +384,7 @@ def test_the_airflow_worker_killed_mid_training(run_dag: Callable[..., Any], air
         gone_after = (time.time() - injector.at) if injector.at else None
         path.unlink(missing_ok=True)
         # The task runs again (the next run of it, in this process): it trains to the end.
-        again = run_dag(_task(retries=0), imports=IMPORTS)
+        again = run_dag(trainer_task(retries=0), imports=IMPORTS)
         ok = injector.injected and worker["proc"].returncode == -signal.SIGKILL and again.state == "success"
         note = f"seed {SEED}: step {injector.step}, {injector.note}; group gone {gone_after or 0:.1f}s after the kill"
         trial = record(Trial(fault, injector.injected, ok, None, left, 0, None, note))
