@@ -26,6 +26,7 @@ standalone``) in ``test_chaos_triggerer.py``. Both record into the same matrix.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -41,7 +42,6 @@ import pytest
 
 from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
 from airflow_torchrun.checkpoint import CheckpointStore
-from airflow_torchrun.wiring import NODE_RANK_VAR
 from tests import s3_fixtures
 from tests.chaos.conftest import FINAL, IMPORTS, SEED, STEP, Trial, record, trainer_task, trials
 
@@ -59,17 +59,13 @@ def _rank_pid(group_id: str, rank: int) -> int | None:
     return None
 
 
-def _agent_pid(group_id: str, node_rank: int) -> int | None:
-    for pid in group_pids(group_id):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        env = _environ(pid)
-        on_node = env.get(NODE_RANK_VAR.encode()) == str(node_rank).encode()
-        if b"torch.distributed.run" in cmdline and on_node and b"LOCAL_RANK" not in env:
-            return pid
-    return None
+def _agent_pid(group_dir: Path, node_rank: int) -> int | None:
+    """The node's torchrun agent, as its supervisor recorded it (the supervisor's own command line
+    names ``torch.distributed.run`` too, so a search by command line can find the wrong process)."""
+    try:
+        return int(json.loads((group_dir / f"node-{node_rank}" / "supervisor.json").read_text())["agent_pid"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _signal(pid: int | None, sig: int) -> bool:
@@ -89,7 +85,7 @@ def kill_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
 
 def kill_agent(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
     node = rng.randint(0, 1)
-    return lambda group_id, _dir: (_signal(_agent_pid(group_id, node), signal.SIGKILL), f"agent of node {node}")
+    return lambda _group_id, group_dir: (_signal(_agent_pid(group_dir, node), signal.SIGKILL), f"agent of node {node}")
 
 
 def stop_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
