@@ -259,3 +259,25 @@ def test_the_trigger_fires_no_sooner_than_not_before(tmp_path: Path) -> None:
         backend.teardown(h)
     assert event.status is Outcome.SUCCEEDED, event.reason
     assert fired_at >= not_before
+
+
+def test_failed_looks_back_off_and_a_good_look_resets_the_pace() -> None:
+    """An API server answering 5xx is looked at less and less often (the sync and the deferred
+    watch both sleep ``pause()``), never less than every BACKOFF_CAP seconds, and once a look
+    succeeds the watch polls at poll_interval again."""
+    from airflow_torchrun.watch import BACKOFF_CAP
+
+    w = Watch.of(handle(), WatchConfig(poll_interval=0.1, error_budget=600.0), T0)
+    assert w.pause() == 0.1
+    pauses = []
+    for n in range(1, 10):
+        assert w.failed(ConnectionError("503 from the API"), T0 + n).verdict is None
+        pauses.append(w.pause())
+    assert pauses[:4] == [0.2, 0.4, 0.8, 1.6] and pauses[4:] == [BACKOFF_CAP] * 5
+    assert sum(pauses) > 10 * 0.1  # far fewer looks than at poll_interval
+    w.observed(RUNNING, None, T0 + 20)
+    assert w.pause() == 0.1
+    # A poll_interval above the cap is kept as it is.
+    slow = Watch.of(handle(), WatchConfig(poll_interval=5.0), T0)
+    slow.failed(ConnectionError("503"), T0 + 1)
+    assert slow.pause() == 5.0

@@ -273,7 +273,7 @@ class GroupTrigger(BaseTrigger):
                             "Group %s: teardown failed, the re-entry tries again: %s", handle.group_id, exc
                         )
                 return GroupEvent.from_verdict(handle, step.verdict)
-            await asyncio.sleep(spec.poll_interval)
+            await asyncio.sleep(watch.pause())
 
     def _note(self, note: Note) -> None:
         self.log.log(note.level, "%s", note.message)

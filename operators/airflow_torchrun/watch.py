@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from airflow_torchrun.worker.progress import ProgressRecord
 
 DEFAULT_ERROR_BUDGET = 300.0
+# Longest pause between two looks while looks keep failing (see Watch.pause).
+BACKOFF_CAP = 2.0
 DEFAULT_HEARTBEAT = 60.0
 DEFAULT_PROGRESS_EVERY = 30.0
 # How often a run of failed looks is reported while it lasts (the first one always is).
@@ -200,6 +202,14 @@ class Watch:
             )
         return Step(verdict, tuple(notes))
 
+    def pause(self) -> float:
+        """Seconds until the next look: ``poll_interval``, doubled for every look in a row that
+        failed, up to :data:`BACKOFF_CAP` (an API server in trouble is not hammered by every task)."""
+        base = self.config.poll_interval
+        if not self._failed_looks:
+            return base
+        return max(base, min(BACKOFF_CAP, base * 2.0**self._failed_looks))
+
     def failed(self, exc: BaseException, now: float) -> Step:
         """One look that raised ``exc``."""
         transient = is_transient(exc)
@@ -347,7 +357,7 @@ def watch_sync(
             return step.verdict
         if until is not None and clock() >= until:
             return None
-        sleep(watch.config.poll_interval)
+        sleep(watch.pause())
 
 
 def read_records(backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]) -> list[ProgressRecord]:
