@@ -10,7 +10,7 @@
 
 Each repeat runs every measurement once, the operator and bare torchrun in alternating order.
 
-Run: ``.venv/bin/python bench/bench_group.py [--repeats 4] [--steps 400] [--json rows.json]``.
+Run: ``.venv/bin/python bench/bench_group.py [--repeats 3] [--steps 400] [--json rows.json]``.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ LAYOUTS = (1, 2)  # ranks per agent: 2x1 and 2x2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400, help="training steps of the job (sets its length)")
     parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
     args = parser.parse_args()

@@ -52,10 +52,12 @@ class Bench:
         return self.script.removesuffix(".py")
 
 
-# Default repeats sized so that a whole `make bench` stays near 20 minutes on 2 cores.
+# Default repeats sized so that a whole `make bench` stays near 20 minutes on 2 cores shared with
+# other jobs (a recovery repeat is one kill of each of 5 launchers, about 3.5 minutes; Ray is the
+# slowest at about a minute a run). More kills: `bench/bench_recovery.py --repeats 12`.
 BENCHES = (
-    Bench("bench_group.py", ("--repeats", "4"), ("--repeats", "1", "--steps", "50")),
-    Bench("bench_recovery.py", ("--repeats", "4"), ("--repeats", "1", "--standalone-repeats", "0")),
+    Bench("bench_group.py", ("--repeats", "3"), ("--repeats", "1", "--steps", "50")),
+    Bench("bench_recovery.py", ("--repeats", "3"), ("--repeats", "1", "--standalone-repeats", "0")),
     Bench("bench_checkpoint.py", ("--repeat", "3"), ("--size-mb", "8", "--repeat", "1", "--epochs", "2")),
 )
 
