@@ -229,18 +229,40 @@ def start_moto() -> tuple[object, str]:
 FINAL = re.compile(r"FINAL step=(\d+) .*train_s=([0-9.]+) checkpoint_s=([0-9.]+)")
 
 
+TRAINER_TIMEOUT_S = 180.0  # a run takes 10-20 s here; past this it hung
+
+
+def kill_run(tag: str) -> None:
+    """SIGKILL what is left of one trainer run (its workers run in sessions of their own)."""
+    want = f"BENCH_TRAINER_RUN={tag}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if want in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                os.kill(int(name), 9)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
     env.update(extra_env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    env["BENCH_TRAINER_RUN"] = tag = uuid.uuid4().hex
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TRAINER_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"trainer {' '.join(args)} still running after {TRAINER_TIMEOUT_S:.0f} s (hung)") from exc
+    finally:
+        kill_run(tag)
     match = FINAL.search(proc.stdout)
     if proc.returncode != 0 or not match:
         raise RuntimeError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -255,6 +277,8 @@ class TrainRow:
     baseline_s: float  # median training-loop time without checkpointing, same run
     train_all: list[float] = field(default_factory=list)
     baseline_all: list[float] = field(default_factory=list)
+    failed: str = ""  # why some runs of this mode did not finish
+    attempts: int | None = None
 
     def cells(self) -> list[str]:
         overhead = 100.0 * (self.train_s - self.baseline_s) / self.baseline_s
@@ -281,10 +305,11 @@ def report_rows(
     rows += [
         row(
             f"example trainer's training time, {t.mode}",
-            Samples(t.train_all) if t.train_all else t.train_s,
+            Samples(t.train_all, t.attempts) if t.train_all or t.attempts else t.train_s,
             "no checkpointing, same run",
             Samples(t.baseline_all) if t.baseline_all else t.baseline_s,
             "s",
+            note=f"failed runs: {t.failed}" if t.failed else "",
         )
         for t in train_rows
         if t.mode != "no checkpointing"
@@ -304,23 +329,33 @@ def bench_training(epochs: int, repeat: int, workdir: Path) -> list[TrainRow]:
         ("async, default interval", {"TRAIN_CHECKPOINT_URI": ""}, ["--async-checkpoint"]),
     ]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in modes}
+    failures: dict[str, str] = {}
     # Interleave the modes so that load from other processes on the machine hits them alike.
     for _ in range(repeat):
         for name, env, extra in modes:
             run_env = dict(env)
             if "TRAIN_CHECKPOINT_URI" in run_env:
                 run_env["TRAIN_CHECKPOINT_URI"] = str(workdir / f"train-{uuid.uuid4().hex[:8]}")
-            results[name].append(run_trainer(run_env, base + extra))
+            try:
+                results[name].append(run_trainer(run_env, base + extra))
+            except RuntimeError as exc:
+                failures.setdefault(name, str(exc).splitlines()[0])
+                progress(f"trainer, {name}: FAILED ({failures[name]})")
+                continue
             progress(f"trainer, {name}: train {results[name][-1][0]:.2f} s, blocked {results[name][-1][1]:.3f} s")
     base_all = [t for t, _ in results["no checkpointing"]]
+    if not base_all:
+        raise RuntimeError(f"the trainer without checkpointing never finished: {failures}")
     return [
         TrainRow(
             name,
-            statistics.median(t for t, _ in results[name]),
-            statistics.median(c for _, c in results[name]),
+            statistics.median(t for t, _ in results[name]) if results[name] else float("nan"),
+            statistics.median(c for _, c in results[name]) if results[name] else float("nan"),
             statistics.median(base_all),
             [t for t, _ in results[name]],
             base_all,
+            failed=failures.get(name, ""),
+            attempts=repeat,
         )
         for name, _, _ in modes
     ]

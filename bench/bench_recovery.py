@@ -90,16 +90,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def reap(pids_dir: Path) -> None:
-    """SIGKILL every worker of the job still alive (they run in sessions of their own)."""
-    for entry in pids_dir.glob("*"):
+def reap(mark: str) -> None:
+    """SIGKILL every process of one run still alive, found by its ``KILL_MARK`` in its environment
+    (torchrun starts its workers in sessions of their own; a hung one has not even written its pid)."""
+    want = f"KILL_MARK={mark}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
         try:
-            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"job" in cmdline or b"ray" in cmdline:
+        if want in environ:
             try:
-                os.kill(int(entry.name), signal.SIGKILL)
+                os.kill(int(name), signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -134,7 +138,7 @@ def watched(argvs: list[list[str]], env: dict[str, str], hang_s: float, log: Pat
         time.sleep(0.2)
     for p in procs:
         p.wait()
-    reap(Path(env["PIDS"]))
+    reap(env["KILL_MARK"])
     if not reason and any(p.returncode for p in procs):
         reason = f"exit codes {[p.returncode for p in procs]}"
     return started, reason

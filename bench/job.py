@@ -31,11 +31,11 @@ def train() -> None:
     import torch
     import torch.distributed as dist
 
+    if os.environ.get("PIDS"):  # before the rendezvous: a re-initialisation may hang in it
+        Path(os.environ["PIDS"], f"{os.getpid()}").write_text(os.environ.get("RANK", "?"))
     if not dist.is_initialized():  # Ray Train has set the process group up already
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if os.environ.get("PIDS"):
-        Path(os.environ["PIDS"], f"{os.getpid()}").write_text(str(rank))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
