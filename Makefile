@@ -52,8 +52,11 @@ SEED ?=
 chaos: $(STAMP)
 	CHAOS_TRIALS=$(TRIALS) CHAOS_FAULTS="$(FAULTS)" $(if $(SEED),CHAOS_SEED=$(SEED)) $(VENV)/bin/pytest -q tests/chaos
 
+# Every benchmark with its anchors (Ray Train in its own venv, .state/bench/ray-venv); the report
+# goes to .state/bench/ and, published, to bench/results/ and the README. BENCH_ARGS=--quick: smoke run.
+BENCH_ARGS ?= --publish
 bench: $(STAMP)
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 # The trainer image built from nothing (cached under .state/image-test) and the rendered pods of a
 # 2-node Job run as containers of it; needs docker.io and debootstrap (see images/image_test.py).

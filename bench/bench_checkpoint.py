@@ -26,11 +26,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rows import row, write_json
+from rows import Samples, row, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -41,8 +41,10 @@ class Row:
     backend: str
     op: str
     size_mb: float
-    ours_s: float
-    raw_s: float
+    ours_s: float  # median
+    raw_s: float  # median
+    ours_all: list[float] = field(default_factory=list)  # every measurement, seconds
+    raw_all: list[float] = field(default_factory=list)
 
     def cells(self) -> list[str]:
         ours_rate = self.size_mb / self.ours_s
@@ -70,13 +72,24 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def median_time(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def interleaved(ours: Callable[[], object], raw: Callable[[], object], repeat: int) -> tuple[list[float], list[float]]:
+    """``repeat`` timings of each, alternating ours and raw (and which goes first)."""
+    ours_t: list[float] = []
+    raw_t: list[float] = []
+    for i in range(repeat):
+        for side in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+            (ours_t if side == "ours" else raw_t).append(timed(ours if side == "ours" else raw))
+    return ours_t, raw_t
+
+
+def progress(what: str) -> None:
+    print(f"  [bench:checkpoint] {what}", flush=True)
 
 
 def make_state(size_mb: int) -> dict[str, object]:
@@ -131,10 +144,12 @@ def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int)
     # One unmeasured round each, so that connection set-up and first allocations are not timed.
     raw_write()
     ours_write()
-    rows = [
-        Row(backend, "write", size_mb, median_time(ours_write, repeat), median_time(raw_write, repeat)),
-        Row(backend, "read", size_mb, median_time(ours_read, repeat), median_time(raw_read, repeat)),
-    ]
+    med = statistics.median
+    rows = []
+    for op, ours_fn, raw_fn in (("write", ours_write, raw_write), ("read", ours_read, raw_read)):
+        ours_t, raw_t = interleaved(ours_fn, raw_fn, repeat)
+        rows.append(Row(backend, op, size_mb, med(ours_t), med(raw_t), ours_t, raw_t))
+        progress(f"{backend} {op} {size_mb:.0f} MB: ours {med(ours_t):.2f} s, raw {med(raw_t):.2f} s")
     fs.rm(store.location.path, recursive=True)
     return rows
 
@@ -214,18 +229,40 @@ def start_moto() -> tuple[object, str]:
 FINAL = re.compile(r"FINAL step=(\d+) .*train_s=([0-9.]+) checkpoint_s=([0-9.]+)")
 
 
+TRAINER_TIMEOUT_S = 180.0  # a run takes 10-20 s here; past this it hung
+
+
+def kill_run(tag: str) -> None:
+    """SIGKILL what is left of one trainer run (its workers run in sessions of their own)."""
+    want = f"BENCH_TRAINER_RUN={tag}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            if want in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                os.kill(int(name), 9)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIN_")}
     env.update(extra_env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    env["BENCH_TRAINER_RUN"] = tag = uuid.uuid4().hex
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TRAINER_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"trainer {' '.join(args)} still running after {TRAINER_TIMEOUT_S:.0f} s (hung)") from exc
+    finally:
+        kill_run(tag)
     match = FINAL.search(proc.stdout)
     if proc.returncode != 0 or not match:
         raise RuntimeError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -238,6 +275,10 @@ class TrainRow:
     train_s: float  # median training-loop time
     blocked_s: float  # median time inside save_checkpoint
     baseline_s: float  # median training-loop time without checkpointing, same run
+    train_all: list[float] = field(default_factory=list)
+    baseline_all: list[float] = field(default_factory=list)
+    failed: str = ""  # why some runs of this mode did not finish
+    attempts: int | None = None
 
     def cells(self) -> list[str]:
         overhead = 100.0 * (self.train_s - self.baseline_s) / self.baseline_s
@@ -248,18 +289,28 @@ class TrainRow:
 def report_rows(
     io_rows: list[Row], train_rows: list[TrainRow], stop_rows: list[StopRow] | None = None
 ) -> list[dict[str, object]]:
+    def rates(r: Row, times: list[float], median_s: float) -> Samples | float:
+        return Samples([r.size_mb / t for t in times]) if times else r.size_mb / median_s
+
     rows = [
         row(
-            f"checkpoint {r.op}, {r.backend}, {r.size_mb:.0f} MB",
-            r.size_mb / r.ours_s,
+            f"checkpoint {r.op} (verified), {r.backend}, {r.size_mb:.0f} MB",
+            rates(r, r.ours_all, r.ours_s),
             "raw copy of the same bytes",
-            r.size_mb / r.raw_s,
+            rates(r, r.raw_all, r.raw_s),
             "MB/s",
         )
         for r in io_rows
     ]
     rows += [
-        row(f"example trainer's training time, {t.mode}", t.train_s, "no checkpointing, same run", t.baseline_s, "s")
+        row(
+            f"example trainer's training time, {t.mode}",
+            Samples(t.train_all, t.attempts) if t.train_all or t.attempts else t.train_s,
+            "no checkpointing, same run",
+            Samples(t.baseline_all) if t.baseline_all else t.baseline_s,
+            "s",
+            note=f"failed runs: {t.failed}" if t.failed else "",
+        )
         for t in train_rows
         if t.mode != "no checkpointing"
     ]
@@ -278,20 +329,33 @@ def bench_training(epochs: int, repeat: int, workdir: Path) -> list[TrainRow]:
         ("async, default interval", {"TRAIN_CHECKPOINT_URI": ""}, ["--async-checkpoint"]),
     ]
     results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in modes}
+    failures: dict[str, str] = {}
     # Interleave the modes so that load from other processes on the machine hits them alike.
     for _ in range(repeat):
         for name, env, extra in modes:
             run_env = dict(env)
             if "TRAIN_CHECKPOINT_URI" in run_env:
                 run_env["TRAIN_CHECKPOINT_URI"] = str(workdir / f"train-{uuid.uuid4().hex[:8]}")
-            results[name].append(run_trainer(run_env, base + extra))
-    baseline = statistics.median(t for t, _ in results["no checkpointing"])
+            try:
+                results[name].append(run_trainer(run_env, base + extra))
+            except RuntimeError as exc:
+                failures.setdefault(name, str(exc).splitlines()[0])
+                progress(f"trainer, {name}: FAILED ({failures[name]})")
+                continue
+            progress(f"trainer, {name}: train {results[name][-1][0]:.2f} s, blocked {results[name][-1][1]:.3f} s")
+    base_all = [t for t, _ in results["no checkpointing"]]
+    if not base_all:
+        raise RuntimeError(f"the trainer without checkpointing never finished: {failures}")
     return [
         TrainRow(
             name,
-            statistics.median(t for t, _ in results[name]),
-            statistics.median(c for _, c in results[name]),
-            baseline,
+            statistics.median(t for t, _ in results[name]) if results[name] else float("nan"),
+            statistics.median(c for _, c in results[name]) if results[name] else float("nan"),
+            statistics.median(base_all),
+            [t for t, _ in results[name]],
+            base_all,
+            failed=failures.get(name, ""),
+            attempts=repeat,
         )
         for name, _, _ in modes
     ]

@@ -1,6 +1,7 @@
-"""``bench/run.py``'s report assembly. A real ``bench/run.py --quick`` takes about 90 s on 2 cores
-(three benchmarks, each starting torchrun groups under ``dag.test()``), too slow for the suite:
-these tests cover the row shape and the report built from it."""
+"""``bench/run.py``'s report assembly. A real ``bench/run.py --quick`` takes minutes on 2 cores
+(three benchmarks, each starting torchrun groups under ``dag.test()``, and Ray), too slow for the
+suite: these tests cover the row shape, the report, the chart and the README section built from it,
+and the Ray-virtualenv step (never run here: no Ray in ``make test``)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,38 @@ SAMPLE = {
 
 def test_a_row_has_the_report_fields_and_ratio_ours_over_anchor():
     r = rows.row("m", 3.0, "a", 2.0, "s")
-    assert tuple(r) == rows.FIELDS == ("measure", "ours", "anchor", "anchor_value", "ratio", "unit")
+    assert tuple(r)[:6] == rows.FIELDS == ("measure", "ours", "anchor", "anchor_value", "ratio", "unit")
+    assert tuple(r)[6:] == rows.DETAIL
     assert r["ratio"] == 1.5
     assert rows.row("m", 3.0, "none", None, "s")["ratio"] is None
 
 
+def test_samples_give_medians_min_max_and_success_over_the_attempts():
+    r = rows.row("recovery", rows.Samples([3.0, 1.0, 2.0], 4), "torchrun", rows.Samples([], 4), "s")
+    assert (r["ours"], r["ours_min"], r["ours_max"], r["repeats"]) == (2.0, 1.0, 3.0, 4)
+    assert (r["ours_success"], r["anchor_success"]) == ("3/4", "0/4")
+    assert r["anchor_value"] is None and r["ratio"] is None and "anchor: no successful run of 4" in r["note"]
+    assert rows.check([r]) == [r]
+
+
+def test_a_failed_anchor_is_a_row_saying_why():
+    r = rows.failed_row("launch", rows.Samples([5.0]), "Ray Train", "pip failed: no network", "s")
+    assert r["anchor"] == "Ray Train (FAILED)" and r["anchor_value"] is None
+    assert r["note"] == "anchor failed: pip failed: no network"
+    assert "| Ray Train (FAILED) |" in run.markdown(run.assemble({"b": [r]}, [], date="d", quick=False))
+
+
+def test_no_successful_run_of_ours_is_a_null_with_a_note_not_a_crash():
+    r = rows.row("recovery", rows.Samples([], 3), "fresh", rows.Samples([4.0]), "s")
+    assert r["ours"] is None and r["note"] == "ours: no successful run of 3"
+    assert rows.check([r]) == [r]
+    with pytest.raises(ValueError, match="ours a number"):
+        rows.check([{**r, "note": ""}])
+
+
 def test_the_report_holds_every_benchmark_s_rows_in_order():
     report = run.assemble(SAMPLE, ["bench_recovery"], date="2026-12-01T00:00:00+00:00", quick=True)
-    assert set(report) == {"date", "quick", "failed", "rows"}
+    assert set(report) == {"date", "quick", "failed", "machine", "rows"}
     assert [r["measure"] for r in report["rows"]] == ["operator task wall time", "checkpoint write, file"]
     assert report["failed"] == ["bench_recovery"]
     assert json.loads(json.dumps(report)) == report
@@ -56,6 +81,113 @@ def test_the_markdown_lists_every_row_and_says_what_failed():
     assert "| checkpoint write, file | 150 | raw copy | 300 | 0.5 | MB/s |" in text
 
 
+def test_the_markdown_says_repeats_spread_and_noise():
+    ours = rows.Samples([10.0, 11.0, 12.0])
+    r = rows.row("operator task wall time, 2 agents x 1", ours, "bare torchrun", rows.Samples([9.0, 10.0, 11.0]), "s")
+    machine = {"cpus": 2, "load_start": 1.0, "load_end": 2.0, "wall_s": 60, "command": "make bench"}
+    text = run.markdown(run.assemble({"b": [r]}, [], date="d", quick=False, machine=machine))
+    assert "| 3 | 10-12 | 9-11 | 18% / 20% | 3/3 / 3/3 |" in text
+    assert "Repeats per row: 3" in text and "median 19%, largest 20%" in text
+    assert "load average 1.0 at the start" in text
+    # 1.1 by the medians, but the repeats overlap: the goal fails only within the noise
+    assert "| operator wall / bare torchrun <= 1.02 (2x1) |" in text
+    assert "| NO, by the medians only (within noise) |" in text
+
+
+def test_the_goals_are_checked_against_the_rows():
+    rec = "rank death -> training again, in-try restart"
+    report_rows = [
+        rows.row(rec, rows.Samples([2.0], 2), "torchrun --max-restarts 3, defaults", rows.Samples([], 2), "s"),
+        rows.row(rec, rows.Samples([2.0, 2.2]), "Ray Train FailureConfig(max_failures=1)", rows.Samples([9.0]), "s"),
+        rows.row(rec, rows.Samples([2.0, 2.2]), "fresh group launch -> first step", rows.Samples([1.8]), "s"),
+    ]
+    lines = run.goal_lines(report_rows)
+    met = [line.rsplit("|", 2)[-2].strip() for line in lines[2:]]
+    # torchrun: ours failed one of its two kills; Ray: faster in every repeat; fresh: within 0.5 s
+    assert met[4] == "NO: ours recovered 1/2"
+    assert met[5] == met[6] == "yes, in every repeat"
+    assert "(not measured in this run)" in lines[2]
+
+
+def test_a_goal_is_met_against_an_anchor_that_never_recovered():
+    goal = next(g for g in run.GOALS if g.anchor == "torchrun")
+    r = rows.row(
+        "rank death -> training again, in-try restart", rows.Samples([5.0]), "torchrun", rows.Samples([], 3), "s"
+    )
+    assert run.verdict(goal, r) == "yes: the anchor never recovered"
+
+
+def test_a_report_is_rendered_again_without_measuring(tmp_path):
+    report = run.assemble(SAMPLE, [], date="2026-12-01", quick=False)
+    source = tmp_path / "in.json"
+    source.write_text(json.dumps(report))
+    assert run.main(["--from-report", str(source), "--out", str(tmp_path / "out")]) == 0
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"report.json", "report.md", "report.png"}
+
+
+def test_the_chart_is_one_png_with_a_bar_per_row(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = run.assemble(SAMPLE, [], date="2026-12-01", quick=False)
+    report["rows"].append(rows.failed_row("launch", 1.0, "Ray", "not installed", "s"))
+    path = run.chart(report, tmp_path / "report.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_readme_section_is_regenerated_between_its_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{run.README_BEGIN}\nold\n{run.README_END}\nrest\n")
+    run.update_readme(readme, run.assemble(SAMPLE, [], date="2026-12-01T10:00:00+00:00", quick=False))
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("rest\n") and "old" not in text
+    assert "Measured by `make bench` on 2026-12-01T10:00:00+00:00" in text
+    assert "| checkpoint write, file | 150 | raw copy | 300 | 0.5 | MB/s | - / - |" in text
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="no"):
+        run.update_readme(readme, run.assemble(SAMPLE, [], date="d", quick=False))
+
+
+def test_the_readme_of_the_repository_has_the_generated_section():
+    text = (BENCH.parent / "README.md").read_text()
+    assert run.README_BEGIN in text and run.README_END in text
+
+
+def test_the_ray_venv_step_is_skippable_and_runs_nothing(tmp_path, monkeypatch):
+    import ray_venv
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may run when the step is skipped")
+
+    monkeypatch.setattr(ray_venv.subprocess, "run", refuse)
+    result = ray_venv.ensure(tmp_path / "ray-venv", skip="skipped (--no-ray)")
+    assert result.python is None and result.reason == "skipped (--no-ray)"
+    # A finished venv (its stamp) is reused without running pip again.
+    (tmp_path / "ray-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "ray-venv" / "bin" / "python").write_text("")
+    ray_venv.stamp(tmp_path / "ray-venv").write_text("")
+    assert ray_venv.ensure(tmp_path / "ray-venv").python == tmp_path / "ray-venv" / "bin" / "python"
+
+
+def test_the_ray_venv_pins_the_cpu_torch_and_ray():
+    import ray_venv
+
+    installs = [argv for argv in ray_venv.commands(Path("/v")) if "install" in argv]
+    assert all("torch==2.13.0" in argv for argv in installs), "an unpinned torch is a multi-GB CUDA build"
+    assert any(arg.startswith("ray[train]==") for arg in installs[-1])
+
+
+def test_a_failed_ray_install_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    import subprocess
+
+    import ray_venv
+
+    def fail(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 1, "", "WARNING: x\nERROR: No matching distribution for ray\n")
+
+    monkeypatch.setattr(ray_venv.subprocess, "run", fail)
+    result = ray_venv.ensure(tmp_path / "v")
+    assert result.python is None and "ERROR: No matching distribution for ray" in result.reason
+
+
 def test_every_benchmark_the_runner_names_exists_and_takes_json():
     for bench in run.BENCHES:
         source = (BENCH / bench.script).read_text()
@@ -66,7 +198,7 @@ def test_the_checkpoint_benchmark_reports_throughput_and_training_rows():
     pytest.importorskip("torch")
     import bench_checkpoint
 
-    io_rows = [bench_checkpoint.Row("file", "write", 100.0, ours_s=2.0, raw_s=1.0)]
+    io_rows = [bench_checkpoint.Row("file", "write", 100.0, ours_s=2.0, raw_s=1.0, ours_all=[2.0], raw_all=[1.0])]
     train_rows = [
         bench_checkpoint.TrainRow("no checkpointing", 10.0, 0.0, 10.0),
         bench_checkpoint.TrainRow("sync, default interval", 11.0, 0.5, 10.0),
@@ -79,3 +211,4 @@ def test_the_checkpoint_benchmark_reports_throughput_and_training_rows():
 def test_make_bench_runs_the_runner():
     makefile = (BENCH.parent / "Makefile").read_text()
     assert "bench/run.py" in makefile and (BENCH / "run.py").is_file()
+    assert "ray" not in (BENCH.parent / "pyproject.toml").read_text().lower(), "Ray is no dependency"

@@ -235,3 +235,22 @@ def test_killing_the_task_saves_a_checkpoint_first(run_dag: object) -> None:
     assert store.read_marker(step)["stopped"] is True and store.verify(step) == []
     assert step >= int(str(seen["last_done"]))
     assert group_pids(str(seen["group"])) == []
+
+
+def test_async_saves_and_the_stop_flag_do_not_deadlock(tmp_path: Path) -> None:
+    """save_if_stopping's all-reduce (main thread, every step) and an async save's collectives (its
+    thread) once shared one gloo group and paired different operations across ranks: the trainer
+    with --async-checkpoint hung at its first save. 110 steps, saves at 50 and 100."""
+    args = [str(TRAINER), "--epochs", "5", "--checkpoint-every", "50", "--async-checkpoint", "--log-every", "1000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
+        env=_env({"TRAIN_CHECKPOINT_URI": f"file://{tmp_path}/async"}),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    total, _ = _final(proc.stdout + proc.stderr)
+    store = CheckpointStore(f"file://{tmp_path}/async")
+    assert store.read_marker(50) and store.read_marker(100) and store.read_marker(total)

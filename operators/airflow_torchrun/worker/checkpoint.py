@@ -267,6 +267,26 @@ def _comm() -> _Comm:
     return comm
 
 
+_STOP_GROUP_CACHE: dict[int, Any] = {}
+
+
+def _stop_group() -> Any:
+    """The stop flag's own gloo group (None when not distributed). :func:`save_if_stopping` runs its
+    all-reduce on the main thread at every step while an async save's thread runs its collectives
+    on :func:`_comm`'s group; two threads issuing collectives on one group pair different operations
+    across ranks (seen: the example trainer with ``--async-checkpoint`` hung at its first save, each
+    rank's main thread in the flag's all-reduce and its save thread in the commit barrier)."""
+    if _comm().group is None:
+        return None
+    key = id(dist.group.WORLD)
+    with _COMM_LOCK:
+        if key not in _STOP_GROUP_CACHE:
+            # Collective: every rank gets here in its first save_if_stopping (on the main thread).
+            _STOP_GROUP_CACHE.clear()
+            _STOP_GROUP_CACHE[key] = dist.new_group(backend="gloo")
+        return _STOP_GROUP_CACHE[key]
+
+
 # -- RNG --------------------------------------------------------------------------------------
 def _capture_rng() -> dict[str, Any]:
     """This rank's RNG states in a form ``torch.load(weights_only=True)`` accepts."""
@@ -734,11 +754,12 @@ def save_if_stopping(state: Mapping[str, Any] | Any, step: int, **save_kwargs: A
     """
     if not _STOP.installed:
         _install_stop_handler()
-    comm = _comm()  # collective on first use: create the group now, while the store is up
+    comm = _comm()  # collective on first use: create the groups now, while the store is up
+    group = _stop_group()
     flag = 1 if _STOP.signalled_at is not None else 0
-    if comm.group is not None:
+    if group is not None:
         tensor = torch.tensor([flag], dtype=torch.int32)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=comm.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         flag = int(tensor.item())
     if not flag:
         return
