@@ -102,7 +102,8 @@ def deployment_name(*, create: bool = True) -> str:
     """This deployment's identity in its Jobs: ``[torchrun] deployment``, else its own Variable.
 
     With neither, inside a task (``create``) a random name is kept in :data:`DEPLOYMENT_VARIABLE`
-    and read back, so that two tasks starting at once settle on the one stored last. Where no
+    and read back (two tasks that both find it missing use the one stored last, unless one reads
+    back before the other writes: a race of milliseconds, once per deployment). Where no
     Variable can be read or written (``render`` without a database, tests outside Airflow), the
     name is :data:`DEFAULT_DEPLOYMENT`, as before deployments had identities, with a warning when
     a task meant to create one.
