@@ -209,7 +209,7 @@ def test_sync_driver_rides_out_failed_looks_and_the_group_finishes(tmp_path: Pat
         verdict = watch_sync(
             backend, h, Watch.of(h, WatchConfig(poll_interval=0.1, error_budget=20), time.time()), emit=notes.append
         )
-        assert backend.failures > 10
+        assert backend.failures >= 4  # looks 0.2, 0.4, 0.8, 1.6, 2 s apart (backing off)
         assert verdict is not None and verdict.outcome is Outcome.SUCCEEDED, verdict
         assert [n.exit_code for n in verdict.nodes] == [0, 0]
         assert any("could not look at the group" in n.message for n in notes)
@@ -234,7 +234,7 @@ def test_async_trigger_rides_out_failed_looks_the_same_way(tmp_path: Path, monke
 
     try:
         event = asyncio.run(first())
-        assert backend.failures > 10
+        assert backend.failures >= 4  # looks 0.2, 0.4, 0.8, 1.6, 2 s apart (backing off)
         assert event.status is Outcome.SUCCEEDED, event.reason
     finally:
         backend.teardown(h)
