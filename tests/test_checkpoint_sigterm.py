@@ -46,8 +46,8 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _torchrun_cmd() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *ARGS]
+def _torchrun_cmd(args: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *(args or ARGS)]
 
 
 def _final(out: str) -> tuple[int, str]:
@@ -243,7 +243,7 @@ def test_async_saves_and_the_stop_flag_do_not_deadlock(tmp_path: Path) -> None:
     with --async-checkpoint hung at its first save. 110 steps, saves at 50 and 100."""
     args = [str(TRAINER), "--epochs", "5", "--checkpoint-every", "50", "--async-checkpoint", "--log-every", "1000"]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
+        _torchrun_cmd(args),
         env=_env({"TRAIN_CHECKPOINT_URI": f"file://{tmp_path}/async"}),
         capture_output=True,
         text=True,
