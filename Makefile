@@ -3,8 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The CPU build of torch (a bare `torch` resolves to a multi-GB CUDA build).
+# The CPU build of torch: PyPI has only the CUDA build (about 3 GB with its NVIDIA libraries). Where
+# a local folder of wheels holds PyTorch's CPU wheel (../shared/wheels on our machines), take it from
+# there; elsewhere (a user's machine) plain torch from PyPI. TORCH_WHEELS= overrides the folder.
+TORCH_WHEELS ?= $(firstword $(wildcard $(CURDIR)/../shared/wheels /work/shared/wheels))
+ifneq ($(strip $(TORCH_WHEELS)),)
+TORCH_PIN := torch==2.13.0+cpu
+PIP_TORCH := --find-links $(TORCH_WHEELS)
+else
 TORCH_PIN := torch==2.13.0
+PIP_TORCH :=
+endif
 # The Airflow release this is tested on (the package accepts any 3.3+; unpinned, pip may settle lower).
 AIRFLOW_PIN := apache-airflow==3.3.2
 
@@ -13,13 +22,13 @@ export AIRFLOW__CORE__DAGS_FOLDER ?= $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export AIRFLOW__TORCHRUN__STATE_DIR ?= $(CURDIR)/.state/torchrun
 
-.PHONY: demo test lint install clean bench chaos image-test ui
+.PHONY: demo test check lint install clean bench chaos image-test ui cluster cluster-down cluster-status e2e-k8s
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[airflow,worker,s3,mlflow,examples,ecosystem,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
+	$(PY) -m pip install --quiet $(PIP_TORCH) "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet $(PIP_TORCH) -e ".[airflow,worker,s3,mlflow,openlineage,examples,ecosystem,dev]" "$(TORCH_PIN)" "$(AIRFLOW_PIN)"
 	# setuptools leaves the metadata in the source root too; on sys.path through the editable
 	# install it makes Airflow see the distribution twice ("Plugin ... already registered").
 	rm -rf operators/*.egg-info
@@ -27,8 +36,17 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# BACKEND=kubernetes: the same pipeline on the cluster of `make cluster` (its environment file
+# names the Airflow connection, the runtimes, S3 and MLflow it serves).
+BACKEND ?= local
+CLUSTER_ENV := $(CURDIR)/.state/cluster/env
 demo: $(STAMP)
+ifeq ($(BACKEND),kubernetes)
+	@test -f $(CLUSTER_ENV) || { echo "no cluster: run make cluster first" >&2; exit 1; }
+	. $(CLUSTER_ENV) && $(PY) -m airflow_torchrun.demo --backend kubernetes
+else
 	$(PY) -m airflow_torchrun.demo
+endif
 
 # The Airflow UI (airflow standalone) and the MLflow UI on the demo's state; prints both URLs.
 ui: $(STAMP)
@@ -39,8 +57,35 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The fast loop (under 3 minutes): lint, types and the tests that start no process. The guard
+# (tests/process_guard.py) fails any test it runs that starts one: such a test is marked `slow`.
+# PYTEST_ARGS reaches pytest in both (e.g. PYTEST_ARGS="--durations=20" or "-k storage").
+PYTEST_ARGS ?=
+check: lint
+	$(VENV)/bin/pytest -q -m "not slow" --forbid-processes --ignore=tests/e2e_k8s $(PYTEST_ARGS)
+
+# Everything CI runs but the real cluster's suite: lint, types and the whole suite, spread over
+# TEST_WORKERS (2) pytest-xdist workers. Tests that share a module's airflow standalone (or another
+# costly fixture) stay on one worker (xdist_group, tests/conftest.py); each worker has its own
+# Airflow home, state dir and servers. TEST_WORKERS=0 runs it in this one process. The e2e suite
+# against the real cluster runs apart (make e2e-k8s): it needs make cluster.
+TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --ignore=tests/e2e_k8s $(PYTEST_ARGS)
+
+# A real single-machine Kubernetes (cluster/): built from source once per version into
+# ~/.cache/airflow-torchrun/cluster, started as host processes under .state/cluster.
+cluster: $(STAMP)
+	$(PY) -m cluster up
+
+cluster-down: $(STAMP)
+	$(PY) -m cluster down
+
+cluster-status: $(STAMP)
+	$(PY) -m cluster status
+
+e2e-k8s: $(STAMP)
+	$(VENV)/bin/pytest -q tests/e2e_k8s
 
 # The fault matrix (tests/chaos): TRIALS per fault; the report goes to .state/chaos/report.md and .json.
 # FAULTS runs only the faults whose name contains one of its comma-separated parts (case-insensitive),

@@ -101,7 +101,7 @@ def make_state(size_mb: int) -> dict[str, object]:
 
 
 def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int) -> list[Row]:
-    from airflow_torchrun.checkpoint import CheckpointStore
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
     from airflow_torchrun.worker import load_checkpoint, save_checkpoint
 
     store = CheckpointStore(root_uri)
@@ -178,8 +178,8 @@ def bench_stop(root: Path, sizes_mb: list[int], repeat: int) -> list[StopRow]:
     """Seconds from SIGTERM to the committed checkpoint of the next step boundary (one process)."""
     import json
 
-    from airflow_torchrun.checkpoint import CheckpointStore
     from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
 
     rows = []
     for size in sizes_mb:

@@ -2,33 +2,41 @@
 
 1. Wall time of the same job (``bench/job.py``) through the operator (``dag.test()``: the task
    instance's own start -> end, and the whole DAG run) vs bare ``torchrun`` with identical settings
-   (2 agents x 1 rank and 2 agents x 2 ranks, static rendezvous on loopback, same thread count);
-   the fixed overhead in seconds is the median of the paired differences. Goal: ratio <= 1.02 on
-   2x1, overhead <= 0.15 s.
-2. Time from one rank's death (SIGKILL) to every other process of the group gone. Goal: median
+   (2 agents x 1 rank, 2 x 2 and 4 x 1, static rendezvous on loopback, same thread count). The
+   fixed overhead in seconds is the mean of the paired differences (operator - bare, one pair per
+   repeat, alternating which goes first), with its 95% interval: pairs are added until that
+   interval is within +/- 0.1 s (``--half-width``), or a cap of pairs or seconds is reached
+   (``bench/stats.py``); the row says how many pairs it took and why it stopped. Goals: ratio
+   <= 1.02 on 2x1, overhead <= 0.15 s at every layout.
+2. Where the time goes, phase by phase, for 2x1 and 2x2: the operator's phases from the try's own
+   timeline (XCom ``timeline``, ``airflow_torchrun/timeline.py``), the job's moments (started,
+   process group joined, first and last step) from its events file, the same for bare torchrun.
+3. Time from one rank's death (SIGKILL) to every other process of the group gone. Goal: median
    < 1 s, max < 1.5 s.
 
-Each repeat runs every measurement once, the operator and bare torchrun in alternating order.
-
-Run: ``.venv/bin/python bench/bench_group.py [--repeats 3] [--steps 400] [--json rows.json]``.
+Run: ``.venv/bin/python bench/bench_group.py [--repeats 3] [--max-pairs 12] [--steps 200] [--json rows.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from job import first_steps
+from job import first_steps, job_events
 from rows import Samples, row, write_json
+from stats import RepeatRule, mean_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "job.py"
@@ -71,8 +79,12 @@ def first_step_at(events: Path) -> float:
     return float(steps[0]["t"])
 
 
-def bare_torchrun(nproc: int, steps: int, tag: str) -> tuple[float, float]:
-    """Bare torchrun's wall time and its launch -> first training step."""
+Layout = tuple[int, int]  # (agents, ranks per agent)
+
+
+def bare_torchrun(layout: Layout, steps: int, tag: str) -> tuple[float, float, dict[str, float]]:
+    """Bare torchrun's wall time, its launch -> first training step and its phases."""
+    nnodes, nproc = layout
     port = free_port()
     events = WORK / f"events-{tag}.jsonl"
     env = {**os.environ, "STEPS": str(steps), "OMP_NUM_THREADS": "1", "EVENTS": str(events)}
@@ -84,7 +96,7 @@ def bare_torchrun(nproc: int, steps: int, tag: str) -> tuple[float, float]:
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--nnodes=2",
+                f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc}",
                 f"--node-rank={n}",
                 "--rdzv-backend=static",
@@ -97,18 +109,31 @@ def bare_torchrun(nproc: int, steps: int, tag: str) -> tuple[float, float]:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # A session per agent, as the local backend gives each node: with the kernel's
+            # autogroup scheduling, agents sharing this process's session got half the CPU each
+            # on a loaded machine (measured 2026-12-02, load average 22: 21.6 s vs 10.7 s to the
+            # ranks' start).
+            start_new_session=True,
         )
-        for n in range(2)
+        for n in range(nnodes)
     ]
     codes = [p.wait() for p in procs]
     elapsed = time.perf_counter() - start
-    if codes != [0, 0]:
+    exited = time.time()
+    if any(codes):
         raise SystemExit(f"bare torchrun failed: {codes}")
-    return elapsed, first_step_at(events) - launched
+    return elapsed, first_step_at(events) - launched, job_phases(events, launched, exited)
 
 
 def write_dag(
-    dag_id: str, script: Path, env: dict[str, str], extra: str = "", *, nproc: int = 1, folder: Path | None = None
+    dag_id: str,
+    script: Path,
+    env: dict[str, str],
+    extra: str = "",
+    *,
+    nproc: int = 1,
+    nnodes: int = 2,
+    folder: Path | None = None,
 ) -> object:
     """Write a one-task DAG to ``folder`` (the dags folder) and load it; the DAG object."""
     import importlib.util
@@ -124,7 +149,7 @@ def write_dag(
             from airflow.sdk import DAG
             from airflow_torchrun import DistributedTrainingOperator
             with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1)) as dag:
-                DistributedTrainingOperator(task_id="train", script={str(script)!r}, num_nodes=2,
+                DistributedTrainingOperator(task_id="train", script={str(script)!r}, num_nodes={nnodes},
                                             nproc_per_node={nproc}, env={env!r}, {extra or "retries=0"})
             """
         )
@@ -178,23 +203,86 @@ def warm_up() -> None:
     module.dag.test()
 
 
-def through_operator(nproc: int, steps: int, i: int) -> tuple[float, float, float]:
-    """The task's wall time, the whole ``dag.test()`` and the task's start -> first training step."""
-    dag_id = f"bench_ok_{nproc}_{i}"
+def try_timeline(dag_id: str, run_id: str) -> list[dict[str, object]]:
+    """The task's timeline (XCom ``timeline``), as the engine pushed it."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        found = session.scalars(
+            XComModel.get_many(run_id=run_id, key="timeline", task_ids="train", dag_ids=dag_id)
+        ).first()
+        value = None if found is None else XComModel.deserialize_value(found)
+    return list(value) if isinstance(value, list) else []
+
+
+def job_phases(events: Path, launched: float, exited: float) -> dict[str, float]:
+    """The job's own moments (bench/job.py's events) as phases from ``launched`` to ``exited``."""
+    at = {e["event"]: float(e["t"]) for e in reversed(job_events(events))}  # each one's first
+    marks = [("launched", launched)] + [(k, at[k]) for k in ("started", "joined", "first_step", "last_step") if k in at]
+    marks.append(("exited", exited))
+    return {f"{a} -> {b}": tb - ta for (a, ta), (b, tb) in itertools.pairwise(marks)}
+
+
+# The operator's phases: (name, from, to), each a timeline mark of launch 0 ("task_start"/"task_end":
+# the task instance's own start and end as Airflow recorded them; "job:*": the job's events).
+OPERATOR_PHASES = (
+    ("Airflow: task start -> our execute()", "task_start", "try_started"),
+    ("stop earlier tries", "try_started", "contract_started"),
+    ("preflight (rank contract)", "contract_started", "contract_ready"),
+    ("plan", "contract_ready", "launch_started"),
+    ("spawn (supervisors)", "launch_started", "launched"),
+    ("agents up -> first output", "launched", "first_output"),
+    ("launched -> ranks started", "launched", "ranks_started"),
+    ("ranks started -> rendezvous", "ranks_started", "rendezvous"),
+    ("rendezvous -> first step", "rendezvous", "first_step"),
+    ("first step -> last step (training)", "job:first_step", "job:last_step"),
+    ("last step -> group exited", "job:last_step", "exited"),
+    ("exited -> watch's verdict", "exited", "ended"),
+    ("teardown", "teardown_started", "teardown_done"),
+    ("finish (contract)", "finish_started", "try_ended"),
+    ("Airflow: our end -> task end", "try_ended", "task_end"),
+)
+BARE_PHASES = (
+    ("launched -> ranks started", "launched -> started"),
+    ("ranks started -> rendezvous", "started -> joined"),
+    ("rendezvous -> first step", "joined -> first_step"),
+    ("first step -> last step (training)", "first_step -> last_step"),
+    ("last step -> group exited", "last_step -> exited"),
+)
+
+
+def operator_phases(timeline: list[dict[str, object]], events: Path, start: float, end: float) -> dict[str, float]:
+    at: dict[str, float] = {"task_start": start, "task_end": end}
+    for e in timeline:
+        name, launch = str(e.get("mark")), e.get("launch")
+        if launch in (0, -1) and name not in at and isinstance(e.get("at"), int | float):
+            at[name] = float(e["at"])  # type: ignore[arg-type]
+    for e in reversed(job_events(events)):
+        at[f"job:{e['event']}"] = float(e["t"])
+    return {name: at[b] - at[a] for name, a, b in OPERATOR_PHASES if a in at and b in at}
+
+
+def through_operator(layout: Layout, steps: int, i: int) -> tuple[float, float, float, dict[str, float]]:
+    """The task's wall time, the whole ``dag.test()``, the task's start -> first training step and
+    the task's phases."""
+    nnodes, nproc = layout
+    dag_id = f"bench_ok_{nnodes}x{nproc}_{i}"
     events = WORK / f"events-{dag_id}.jsonl"
     env = {"STEPS": str(steps), "OMP_NUM_THREADS": "1", "EVENTS": str(events)}
-    dag = write_dag(dag_id, JOB, env, nproc=nproc)
+    dag = write_dag(dag_id, JOB, env, nproc=nproc, nnodes=nnodes)
     start = time.perf_counter()
     dr = dag.test()  # type: ignore[attr-defined]
     whole = time.perf_counter() - start
     if str(getattr(dr.state, "value", dr.state)) != "success":
         raise SystemExit(f"operator run failed: {dr.state}")
     started, ended = task_times(dag_id, dr.run_id)
-    return ended - started, whole, first_step_at(events) - started
+    phases = operator_phases(try_timeline(dag_id, dr.run_id), events, started, ended)
+    return ended - started, whole, first_step_at(events) - started, phases
 
 
 def death_to_gone(i: int) -> float:
-    from airflow_torchrun.backends.procs import group_pids
+    from airflow_torchrun.backends.local.procs import group_pids
 
     death_file = WORK / f"death-{i}.txt"
     dag = write_dag(
@@ -226,78 +314,144 @@ def death_to_gone(i: int) -> float:
     return gone_at[0] - float(death_file.read_text())
 
 
-LAYOUTS = (1, 2)  # ranks per agent: 2x1 and 2x2
+LAYOUTS: tuple[Layout, ...] = ((2, 1), (2, 2), (4, 1))
+PHASE_LAYOUTS: tuple[Layout, ...] = ((2, 1), (2, 2))
+
+
+def name(layout: Layout) -> str:
+    return f"{layout[0]}x{layout[1]}"
+
+
+@dataclass
+class Side:
+    """Every measurement of one side of one layout."""
+
+    wall: list[float] = field(default_factory=list)
+    whole: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=400, help="training steps of the job (sets its length)")
+    parser.add_argument("--repeats", type=int, default=3, help="pairs per layout at least (and rank deaths)")
+    parser.add_argument("--max-pairs", type=int, default=12, help="pairs per layout at most")
+    parser.add_argument("--half-width", type=float, default=0.1, help="stop once the overhead's 95%% interval is this")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="seconds of pairs per layout at most")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of the job (sets its length)")
     parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
     args = parser.parse_args()
 
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
     warm_up()
-    bare: dict[int, list[float]] = {n: [] for n in LAYOUTS}
-    task: dict[int, list[float]] = {n: [] for n in LAYOUTS}
-    whole: dict[int, list[float]] = {n: [] for n in LAYOUTS}
+    rule = RepeatRule(minimum=args.repeats, half_width=args.half_width, cap=args.max_pairs, budget_s=args.budget_s)
+    bare: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}
+    ours: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}
+    stopped: dict[Layout, str] = {}
     kill: list[float] = []
-    first: dict[str, list[float]] = {"bare": [], "ours": []}  # launch -> first step, 2x1
-    for i in range(args.repeats):
-        # Interleave (and alternate which side goes first) so that drift in load hits both alike.
-        for nproc in LAYOUTS:
+    for layout in LAYOUTS:
+        began, i = time.monotonic(), 0
+        while rule.more(differences(ours[layout], bare[layout]), time.monotonic() - began):
+            # Alternate which side goes first, so that drift in load hits both alike.
             for side in ("bare", "ours") if i % 2 == 0 else ("ours", "bare"):
                 if side == "bare":
-                    b, f = bare_torchrun(nproc, args.steps, f"bare-{nproc}-{i}")
-                    bare[nproc].append(b)
-                    progress("group", f"repeat {i + 1}/{args.repeats} bare torchrun 2x{nproc} wall, first step", (b, f))
+                    b, f, ph = bare_torchrun(layout, args.steps, f"bare-{name(layout)}-{i}")
+                    bare[layout].wall.append(b)
+                    bare[layout].first.append(f)
+                    bare[layout].phases.append(ph)
+                    progress("group", f"{name(layout)} pair {i + 1} bare torchrun wall, first step", (b, f))
                 else:
-                    t, w, f = through_operator(nproc, args.steps, i)
-                    task[nproc].append(t)
-                    whole[nproc].append(w)
-                    progress(
-                        "group",
-                        f"repeat {i + 1}/{args.repeats} operator 2x{nproc} task, dag.test, first step",
-                        (t, w, f),
-                    )
-                if nproc == 1:
-                    first[side].append(f)
+                    t, w, f, ph = through_operator(layout, args.steps, i)
+                    for got, value in ((ours[layout].wall, t), (ours[layout].whole, w), (ours[layout].first, f)):
+                        got.append(value)
+                    ours[layout].phases.append(ph)
+                    progress("group", f"{name(layout)} pair {i + 1} operator task, dag.test, first step", (t, w, f))
+            so_far = mean_interval(differences(ours[layout], bare[layout]))
+            progress("group", f"{name(layout)} overhead so far", str(so_far))
+            i += 1
+        stopped[layout] = rule.stopped_by(differences(ours[layout], bare[layout]), time.monotonic() - began)
+    for i in range(args.repeats):
         kill.append(death_to_gone(i))
         progress("group", f"repeat {i + 1}/{args.repeats} rank death -> all gone", kill[-1])
 
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    raw = {"bare": bare, "task": task, "whole": whole, "kill": kill, "first": first, "steps": args.steps}
+    raw = {
+        "bare": {name(k): vars(v) for k, v in bare.items()},
+        "ours": {name(k): vars(v) for k, v in ours.items()},
+        "kill": kill,
+        "steps": args.steps,
+    }
     (out / "bench_group.json").write_text(json.dumps(raw, indent=2))
-    write_json(args.json, report_rows(bare, task, whole, kill, first))
+    if args.json:
+        write_json(args.json, report_rows(bare, ours, kill, stopped))
+        Path(args.json).with_suffix(".phases.json").write_text(json.dumps(phase_table(bare, ours), indent=2))
+
+
+def differences(ours: Side, bare: Side) -> list[float]:
+    return [x - y for x, y in zip(ours.wall, bare.wall, strict=False)]
+
+
+def phase_table(bare: dict[Layout, Side], ours: dict[Layout, Side]) -> list[dict[str, object]]:
+    """Per layout, every phase: the median of ours and, where bare torchrun has the same phase, of it."""
+    table: list[dict[str, object]] = []
+    for layout in PHASE_LAYOUTS:
+        bare_of = dict(BARE_PHASES)
+        for phase, _, _ in OPERATOR_PHASES:
+            mine = [p[phase] for p in ours[layout].phases if phase in p]
+            theirs = [p[bare_of[phase]] for p in bare[layout].phases if phase in bare_of and bare_of[phase] in p]
+            if not mine:
+                continue
+            table.append(
+                {
+                    "layout": name(layout),
+                    "phase": phase,
+                    "ours": round(statistics.median(mine), 3),
+                    "bare": round(statistics.median(theirs), 3) if theirs else None,
+                    "repeats": len(mine),
+                }
+            )
+    return table
 
 
 def report_rows(
-    bare: dict[int, list[float]],
-    task: dict[int, list[float]],
-    whole: dict[int, list[float]],
-    kill: list[float],
-    first: dict[str, list[float]],
+    bare: dict[Layout, Side], ours: dict[Layout, Side], kill: list[float], stopped: dict[Layout, str]
 ) -> list[dict[str, object]]:
     anchor = "bare torchrun, same job and settings"
+    first = (2, 1)
     rows = [
         row(
             "launch -> first training step, 2x1 (ours: from the task's start)",
-            Samples(first["ours"]),
+            Samples(ours[first].first),
             "bare torchrun (static rendezvous), from its start",
-            Samples(first["bare"]),
+            Samples(bare[first].first),
             "s",
         )
     ]
-    for nproc in sorted(bare):
-        b, t = Samples(bare[nproc]), Samples(task[nproc])
-        rows.append(row(f"operator task wall time, 2 agents x {nproc}", t, anchor, b, "s"))
-        overhead = Samples([x - y for x, y in zip(task[nproc], bare[nproc], strict=True)])
-        rows.append(row(f"operator fixed overhead, 2x{nproc} (task - bare, paired)", overhead, "goal", 0.15, "s"))
-        rows.append(row(f"whole dag.test() run, 2x{nproc}", Samples(whole[nproc]), anchor, b, "s"))
+    for layout in LAYOUTS:
+        b, t = Samples(bare[layout].wall), Samples(ours[layout].wall)
+        label = f"{layout[0]} agents x {layout[1]}"
+        rows.append(row(f"operator task wall time, {label}", t, anchor, b, "s"))
+        diffs = differences(ours[layout], bare[layout])
+        ci = mean_interval(diffs)
+        rows.append(
+            row(
+                f"operator fixed overhead, {name(layout)} (task - bare, paired; mean)",
+                ci.mean,
+                "goal",
+                0.15,
+                "s",
+                repeats=len(diffs),
+                interval=(ci.low, ci.high),
+                note=stopped.get(layout, ""),
+            )
+        )
+        rows.append(row(f"whole dag.test() run, {name(layout)}", Samples(ours[layout].whole), anchor, b, "s"))
     k = Samples(kill)
     rows.append(row("rank SIGKILLed -> every group process gone (median)", k, "goal (median)", 1.0, "s"))
-    rows.append(row("rank SIGKILLed -> every group process gone (max)", max(kill), "goal (max)", 1.5, "s"))
+    rows.append(
+        row("rank SIGKILLed -> every group process gone (max)", max(kill), "goal (max)", 1.5, "s", repeats=len(kill))
+    )
     return rows
 
 

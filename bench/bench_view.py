@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from airflow_torchrun.worker.progress import parse_records
+    from airflow_torchrun.contract.progress import parse_records
     from tests.standalone import start_standalone, wait_for
 
     work = Path(tempfile.mkdtemp(prefix="bench-view-"))

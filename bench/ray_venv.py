@@ -13,8 +13,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-TORCH_PIN = "torch==2.13.0"
 RAY_PIN = "ray[train]==2.60.0"
+ROOT = Path(__file__).resolve().parents[1]
+# PyTorch's CPU wheel where a local folder holds it (../shared/wheels on our machines, as the
+# Makefile does: PyPI's torch==2.13.0 is the multi-GB CUDA build); PyPI's torch elsewhere.
+TORCH_WHEELS = next((p for p in (ROOT.parent / "shared" / "wheels", Path("/work/shared/wheels")) if p.is_dir()), None)
+TORCH_PIN = "torch==2.13.0+cpu" if TORCH_WHEELS is not None else "torch==2.13.0"
+TORCH_FIND_LINKS = ["--find-links", str(TORCH_WHEELS)] if TORCH_WHEELS is not None else []
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,12 @@ class RayVenv:
 
 
 def stamp(venv: Path) -> Path:
-    return venv / f".installed-{TORCH_PIN}-{RAY_PIN}".replace("[", "-").replace("]", "")
+    return venv / f".installed-{TORCH_PIN}-{RAY_PIN}".replace("[", "-").replace("]", "").replace("+", "-")
 
 
 def commands(venv: Path, base_python: str = "python3") -> list[list[str]]:
     """What creating the venv runs, in order (torch first, so that Ray's resolution keeps it)."""
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *TORCH_FIND_LINKS]
     return [[base_python, "-m", "venv", str(venv)], [*pip, TORCH_PIN], [*pip, RAY_PIN, TORCH_PIN]]
 
 

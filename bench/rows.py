@@ -6,7 +6,9 @@ A row compares our number with an anchor measured in the same run (or a stated t
 when a benchmark gives :class:`Samples`; the row then also carries how many runs there were, the
 min and max of each side and how many of the runs succeeded (a kill recovered, say). A side with
 no successful run has the value ``None`` and a ``note`` saying why: a failed anchor is reported,
-never dropped.
+never dropped. A paired row (ours minus the anchor, run by run) gives the mean of the differences
+with its 95% interval (``ci_low``/``ci_high``, :mod:`stats`) instead. Every row says how many
+repeats it took (``repeats``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = ("measure", "ours", "anchor", "anchor_value", "ratio", "unit")
-DETAIL = ("repeats", "ours_min", "ours_max", "anchor_min", "anchor_max", "ours_success", "anchor_success", "note")
+DETAIL = (
+    "repeats",
+    "ours_min",
+    "ours_max",
+    "anchor_min",
+    "anchor_max",
+    "ours_success",
+    "anchor_success",
+    "ci_low",
+    "ci_high",
+    "note",
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +66,11 @@ def row(
     unit: str,
     *,
     note: str = "",
+    repeats: int | None = None,
+    interval: tuple[float | None, float | None] | None = None,
 ) -> dict[str, Any]:
+    """One row; ``repeats``: how many runs a single value (a max, a mean) came from; ``interval``:
+    the 95% interval of ``ours`` (a mean of paired differences)."""
     ours_s = ours if isinstance(ours, Samples) else Samples([ours])
     anchor_s: Samples | None = None
     anchor_v: float | None
@@ -76,13 +93,15 @@ def row(
         "anchor_value": _r(anchor_v),
         "ratio": _r(ratio),
         "unit": unit,
-        "repeats": ours_s.tried if measured else None,
+        "repeats": ours_s.tried if measured else repeats,
         "ours_min": _r(min(ours_s.values)) if measured and ours_s.values else None,
         "ours_max": _r(max(ours_s.values)) if measured and ours_s.values else None,
         "anchor_min": _r(min(anchor_s.values)) if anchor_s and anchor_s.values else None,
         "anchor_max": _r(max(anchor_s.values)) if anchor_s and anchor_s.values else None,
         "ours_success": ours_s.success if measured else None,
         "anchor_success": anchor_s.success if anchor_s is not None else None,
+        "ci_low": _r(interval[0]) if interval else None,
+        "ci_high": _r(interval[1]) if interval else None,
         "note": "; ".join(notes),
     }
 

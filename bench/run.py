@@ -56,7 +56,7 @@ class Bench:
 # other jobs (a recovery repeat is one kill of each of 5 launchers, about 3.5 minutes; Ray is the
 # slowest at about a minute a run). More kills: `bench/bench_recovery.py --repeats 12`.
 BENCHES = (
-    Bench("bench_group.py", ("--repeats", "3"), ("--repeats", "1", "--steps", "50")),
+    Bench("bench_group.py", ("--repeats", "3"), ("--repeats", "1", "--max-pairs", "1", "--steps", "50")),
     Bench("bench_recovery.py", ("--repeats", "3"), ("--repeats", "1", "--standalone-repeats", "0")),
     Bench("bench_checkpoint.py", ("--repeat", "3"), ("--size-mb", "8", "--repeat", "1", "--epochs", "2")),
 )
@@ -69,15 +69,20 @@ def assemble(
     date: str,
     quick: bool,
     machine: dict[str, Any] | None = None,
+    phases: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The report: every benchmark's rows in run order, each checked against the row shape."""
+    """The report: every benchmark's rows in run order, each checked against the row shape; the
+    per-phase table (``bench_group``'s) when there is one."""
     rows: list[dict[str, Any]] = []
     for name, bench_rows in results.items():
         try:
             rows += check(bench_rows)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
-    return {"date": date, "quick": quick, "failed": list(failed), "machine": machine or {}, "rows": rows}
+    report = {"date": date, "quick": quick, "failed": list(failed), "machine": machine or {}, "rows": rows}
+    if phases:
+        report["phases"] = list(phases)
+    return report
 
 
 def num(value: float | None) -> str:
@@ -112,6 +117,8 @@ def higher_ratio(r: dict[str, Any]) -> Span:
 
 
 def ours_value(r: dict[str, Any]) -> Span:
+    if r.get("ci_high") is not None and r.get("ci_low") is not None:
+        return r["ours"], r["ci_high"], r["ci_low"]  # a mean: its 95% interval is what can tell
     return r["ours"], r.get("ours_max"), r.get("ours_min")
 
 
@@ -156,7 +163,15 @@ def verdict(goal: Goal, r: dict[str, Any]) -> str:
     if worst is None or best is None:
         return "yes" if met else "NO"
     every = goal.ok(worst) if met else not goal.ok(best)
+    if r.get("ci_high") is not None:
+        interval = f"{num(r.get('ci_low'))} to {num(r.get('ci_high'))}"
+        tail = f", with its 95% interval ({interval})" if every else f", by the mean only (95% interval {interval})"
+        return ("yes" if met else "NO") + tail
     return ("yes" if met else "NO") + (", in every repeat" if every else ", by the medians only (within noise)")
+
+
+def _under_015(x: float) -> bool:
+    return x <= 0.15
 
 
 GOALS = (
@@ -167,7 +182,10 @@ GOALS = (
         lower_ratio,
         lambda x: x <= 1.02,
     ),
-    Goal("fixed overhead <= 0.15 s (2x1)", "operator fixed overhead, 2x1", "goal", ours_value, lambda x: x <= 0.15),
+    *(
+        Goal(f"fixed overhead <= 0.15 s ({lay})", f"operator fixed overhead, {lay}", "goal", ours_value, _under_015)
+        for lay in ("2x1", "2x2", "4x1")
+    ),
     Goal(
         "rank death -> all gone: median < 1 s",
         "rank SIGKILLed -> every group process gone (median)",
@@ -223,11 +241,16 @@ def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def interval(r: dict[str, Any]) -> str:
+    lo, hi = r.get("ci_low"), r.get("ci_high")
+    return "-" if lo is None or hi is None else f"{num(lo)} to {num(hi)}"
+
+
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| measure | ours | anchor | anchor value | ratio | unit | repeats | ours min-max | anchor min-max "
-        "| noise ours / anchor | success ours / anchor | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| measure | ours | anchor | anchor value | ratio | unit | repeats | ours min-max | 95% interval "
+        "| anchor min-max | noise ours / anchor | success ours / anchor | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         noise = f"{spread(r.get('ours_min'), r.get('ours_max'), r['ours'])} / "
@@ -236,8 +259,32 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['measure']} | {num(r['ours'])} | {r['anchor']} | {num(r['anchor_value'])} | {num(r['ratio'])} "
             f"| {r['unit']} | {r.get('repeats') or '-'} | {span(r.get('ours_min'), r.get('ours_max'))} "
-            f"| {span(r.get('anchor_min'), r.get('anchor_max'))} | {noise} | {success} | {r.get('note') or ''} |"
+            f"| {interval(r)} | {span(r.get('anchor_min'), r.get('anchor_max'))} | {noise} | {success} "
+            f"| {r.get('note') or ''} |"
         )
+    return lines
+
+
+def phase_lines(phases: list[dict[str, Any]]) -> list[str]:
+    """The per-phase table: one column pair (ours, bare torchrun) per layout, medians."""
+    layouts = list(dict.fromkeys(str(p["layout"]) for p in phases))
+    names = list(dict.fromkeys(str(p["phase"]) for p in phases))
+    cell = {(str(p["layout"]), str(p["phase"])): p for p in phases}
+    head = "| phase | " + " | ".join(f"{lay} ours | {lay} bare torchrun" for lay in layouts) + " |"
+    lines = [head, "| --- |" + " --- | --- |" * len(layouts)]
+    for phase in names:
+        cells = []
+        for lay in layouts:
+            p = cell.get((lay, phase))
+            cells += [num(p["ours"]) if p else "-", num(p.get("bare")) if p else "-"]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    repeats = sorted({int(p["repeats"]) for p in phases})
+    lines += [
+        "",
+        f"Seconds, medians over {', '.join(map(str, repeats))} runs of each. Ours from the try's own timeline "
+        "(`airflow_torchrun/timeline.py`, XCom `timeline`) and the job's events; bare torchrun's from the job's "
+        "events and its process start and exit. `-`: the phase has no counterpart there.",
+    ]
     return lines
 
 
@@ -277,6 +324,8 @@ def markdown(report: dict[str, Any], chart: str | None = None) -> str:
             f"{machine.get('wall_s')} s. Command: `{machine.get('command')}`.",
         ]
     lines += ["", noise_summary(report["rows"]), "", *table_lines(report["rows"])]
+    if report.get("phases"):
+        lines += ["", "## Where the time goes (per phase)", "", *phase_lines(report["phases"])]
     if report["failed"]:
         lines += ["", f"Failed (no rows): {', '.join(report['failed'])}; see the run's logs."]
     lines += [
@@ -342,13 +391,20 @@ def readme_section(report: dict[str, Any]) -> str:
             "stands, is [bench/results/report.md](bench/results/report.md); the chart "
             "[bench/results/report.png](bench/results/report.png).",
             "",
-            "| measure | ours | anchor | anchor value | ratio | unit | success ours / anchor |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| measure | ours | anchor | anchor value | ratio | unit | repeats | 95% interval "
+            "| success ours / anchor |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *(
                 f"| {r['measure']} | {num(r['ours'])} | {r['anchor']} | {num(r['anchor_value'])} | {num(r['ratio'])} "
-                f"| {r['unit']} | {r.get('ours_success') or '-'} / {r.get('anchor_success') or '-'} |"
+                f"| {r['unit']} | {r.get('repeats') or '-'} | {interval(r)} "
+                f"| {r.get('ours_success') or '-'} / {r.get('anchor_success') or '-'} |"
                 for r in report["rows"]
             ),
+            *(["", "Where the time goes:", "", *phase_lines(report["phases"])] if report.get("phases") else []),
+            "",
+            "Goals:",
+            "",
+            *goal_lines(report["rows"]),
             README_END,
         ]
     )
@@ -394,6 +450,12 @@ def run_one(
     return list(json.loads(out.read_text()))
 
 
+def read_phases(scratch: Path, bench: Bench) -> list[dict[str, Any]]:
+    """The per-phase table a benchmark wrote beside its rows (``<rows>.phases.json``), if any."""
+    path = (scratch / f"{bench.name}.json").with_suffix(".phases.json")
+    return list(json.loads(path.read_text())) if path.is_file() else []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: one repeat, short jobs, small state")
@@ -414,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     date = datetime.now(UTC).isoformat(timespec="seconds")
     results: dict[str, list[dict[str, Any]]] = {}
+    phases: list[dict[str, Any]] = []
     failed: list[str] = []
     extra: dict[str, list[str]] = {}
     if any(b.name == "bench_recovery" for b in chosen):
@@ -427,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(bench.name)
             else:
                 results[bench.name] = rows
+                phases += read_phases(Path(scratch), bench)
     command = "make bench" if args.publish and not args.quick else "bench/run.py " + " ".join(argv or sys.argv[1:])
     machine = {
         "cpus": os.cpu_count(),
@@ -435,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - began),
         "command": command.strip(),
     }
-    report = assemble(results, failed, date=date, quick=args.quick, machine=machine)
+    report = assemble(results, failed, date=date, quick=args.quick, machine=machine, phases=phases)
     return render(report, out, publish=args.publish)
 
 

@@ -1,11 +1,17 @@
-"""The pipeline users trigger: shard -> train -> evaluate -> register, tracked in MLflow.
+"""The pipeline users trigger: shard -> train -> evaluate -> register -> approve -> promote, tracked in MLflow.
 
 Trigger it from the Airflow UI ("Trigger DAG" shows a form for the Params below) or the REST API.
 It runs on the embedded local backend by default; ``backend=kubernetes`` runs the training group
 as an Indexed Job with the ``cpu`` runtime (the trainer image holds the scripts under /workspace).
 
-Assets: the training task updates ``digits-mlp-checkpoint``, the registration task updates
-``digits-mlp-model``, so downstream DAGs can be scheduled on a new checkpoint or model.
+Registration gives the new version the alias ``candidate`` and proposes it as ``champion`` when it
+beats the current champion on the quality gate's first metric. A person then approves or rejects the
+promotion on Airflow's Required Actions page (the request shows the candidate's metrics beside the
+champion's); only an approval moves ``champion``. ``require_approval=false`` promotes unattended.
+
+Assets: the training task updates ``digits-mlp-checkpoint``, the registration task
+``digits-mlp-model`` (a new version), the promotion ``digits-mlp-champion``, so downstream DAGs can
+be scheduled on a new checkpoint, model version or champion.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from airflow.sdk import DAG, Asset, Param, task
 from airflow_torchrun import (
     DistributedTrainingOperator,
     EvaluateModelOperator,
+    ModelApprovalOperator,
+    PromoteModelOperator,
     RegisterModelOperator,
     ShardDatasetOperator,
 )
@@ -31,6 +39,7 @@ MODEL_NAME = "digits-mlp"
 GATE_CONDITION = r"^\s*(>=|>|<=|<)\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
 CHECKPOINT_ASSET = Asset(name="digits-mlp-checkpoint", uri="torchrun://checkpoints/torchrun_pipeline/train")
 MODEL_ASSET = Asset(name="digits-mlp-model", uri=f"mlflow://models/{MODEL_NAME}")
+CHAMPION_ASSET = Asset(name="digits-mlp-champion", uri=f"mlflow://models/{MODEL_NAME}/champion")
 
 with DAG(
     dag_id="torchrun_pipeline",
@@ -57,6 +66,25 @@ with DAG(
             additionalProperties={"type": "string", "pattern": GATE_CONDITION},
             description='metric -> condition to pass for the model to be registered, e.g. {"accuracy": ">= 0.9"}',
         ),
+        # None, not "": the trigger form turns an emptied text field into null, which a plain
+        # "string" Param refuses (the Trigger button stays disabled).
+        "shards_uri": Param(
+            None,
+            type=["null", "string"],
+            description="where the shards go (empty: the local state dir); with backend=kubernetes an s3:// URI "
+            "every pod can read",
+        ),
+        "require_approval": Param(
+            True,
+            type="boolean",
+            description="ask a person (Required actions) before the champion alias moves; off: promote unattended",
+        ),
+        "source_uri": Param(
+            None,
+            type=["null", "string"],
+            description="the dataset to train on (digits-shaped .npz/.parquet/.csv URI, s3://[conn_id@]...); "
+            "empty: scikit-learn's digits",
+        ),
         "fail_at_step": Param(
             0,
             type="integer",
@@ -67,8 +95,12 @@ with DAG(
 ) as dag:
 
     @task
-    def export_dataset() -> str:
-        """The digits shipped with scikit-learn, as a .npz file (x: 64 pixels in [0, 1], y: label)."""
+    def export_dataset(params: dict[str, object] | None = None) -> str:
+        """``source_uri`` when given (torchrun_retrain passes the data that landed), else the digits
+        shipped with scikit-learn, as a .npz file (x: 64 pixels in [0, 1], y: label)."""
+        given = str((params or {}).get("source_uri") or "").strip()
+        if given:
+            return given
         import numpy as np
         from sklearn.datasets import load_digits
 
@@ -84,6 +116,7 @@ with DAG(
     shard = ShardDatasetOperator(
         task_id="shard",
         source_uri=export_dataset(),
+        output_uri="{{ params.shards_uri or '' }}",
         num_nodes="{{ params.num_nodes }}",
         nproc_per_node="{{ params.nproc_per_node }}",
         eval_fraction=0.2,
@@ -135,7 +168,16 @@ with DAG(
         run_id="{{ ti.xcom_pull(task_ids='train')['mlflow_run_id'] }}",
         metrics=evaluate.output,
         gate="{{ params.quality_gate }}",
+        promote=False,  # the champion moves only after the approval below
         outlets=[MODEL_ASSET],
     )
 
-    train >> evaluate >> register
+    approve = ModelApprovalOperator(
+        task_id="approve",
+        registration=register.output,
+        require_approval="{{ params.require_approval }}",
+    )
+
+    promote = PromoteModelOperator(task_id="promote", registration=register.output, outlets=[CHAMPION_ASSET])
+
+    train >> evaluate >> register >> approve >> promote

@@ -66,9 +66,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ROOT / ".state" / "image-test"
-TORCH_PIN = "torch==2.13.0"
+# PyTorch's CPU wheel where a local folder holds it (../shared/wheels on our machines, as the
+# Makefile does): on PyPI, torch==2.13.0 for Linux resolves to the CUDA build. PyPI's elsewhere.
+TORCH_WHEELS = next((p for p in (ROOT.parent / "shared" / "wheels", Path("/work/shared/wheels")) if p.is_dir()), None)
+TORCH_PIN = "torch==2.13.0+cpu" if TORCH_WHEELS is not None else "torch==2.13.0"
+TORCH_FIND_LINKS = ["--find-links", str(TORCH_WHEELS)] if TORCH_WHEELS is not None else []
 ROOTFS_IMAGE = "airflow-torchrun-test-rootfs:bookworm"
-BASE_IMAGE = f"airflow-torchrun-test-base:torch-{TORCH_PIN.split('==')[1]}"
+BASE_IMAGE = f"airflow-torchrun-test-base:torch-{TORCH_PIN.split('==')[1].replace('+', '-')}"
 TRAINER_IMAGE = "airflow-torchrun-trainer:image-test"
 LABEL = "airflow-torchrun-image-test"
 NAMESPACE = "ml"
@@ -206,6 +210,7 @@ def build_base() -> None:
         [
             *(sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:"),
             *("--python-version", "3.11", "--platform", "manylinux_2_28_x86_64"),
+            *TORCH_FIND_LINKS,
             *("-d", str(context / "wheels"), TORCH_PIN),
         ],
         check=True,
@@ -378,7 +383,7 @@ def render(work: Path, checkpoint_uri: str) -> dict[str, Any]:
 
 # -- the kubelet's part -------------------------------------------------------------------------------
 def kube_expand(value: str, env: Mapping[str, str]) -> str:
-    from airflow_torchrun.backends.k8s_render import kube_expand as expand
+    from airflow_torchrun.backends.kubernetes.render import kube_expand as expand
 
     return expand(value, env)
 
@@ -581,7 +586,7 @@ def sigterm_scenario(
     The trainer calls ``save_if_stopping``: the ranks should save the step in flight (marker
     ``"stopped": true``) within the grace period. Reports what happened; fails only when no stop
     checkpoint was committed."""
-    from airflow_torchrun.checkpoint import resolve_resume
+    from airflow_torchrun.storage.lineage import resolve_resume
 
     grace = int(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30))
     ref = resolve_resume(uri, "auto", {})
@@ -619,7 +624,8 @@ def sigterm_scenario(
 def scenarios(work: Path, results: list[str], *, sigterm: bool = False) -> None:
     import boto3
 
-    from airflow_torchrun.checkpoint import CheckpointStore, resolve_resume
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
+    from airflow_torchrun.storage.lineage import resolve_resume
 
     with s3_server() as endpoint:
         creds = {
@@ -701,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also stop a launch with SIGTERM and the rendered grace period (save_if_stopping); not run by CI",
     )
     args = parser.parse_args(argv)
-    from airflow_torchrun.runtimes import DEFAULT_UID
+    from airflow_torchrun.backends.kubernetes.runtimes import DEFAULT_UID
 
     STATE.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="run-", dir=STATE))

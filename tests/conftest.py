@@ -1,13 +1,25 @@
-"""Shared fixtures: a throwaway Airflow (SQLite) and a way to run a DAG through ``dag.test()``.
+"""Shared fixtures: a throwaway Airflow (SQLite), a way to run a DAG through ``dag.test()``, moto's
+S3 server and the example trainer's uninterrupted digest, each made once per session.
 
 Airflow reads its configuration when first imported, so the environment is set here, at import
 time of the test session, before any test module imports Airflow.
+
+Under pytest-xdist (``make test``: ``-n``, ``--dist loadgroup``) each worker is a session of its
+own: its own temporary Airflow home, state dir, SQLite DB and moto server (this module runs in
+each worker), so tests on different workers share no state. Ports are taken free from the OS
+everywhere. What must not be split between workers is in one group (``XDIST_GROUPS``, read by
+:func:`pytest_xdist_make_scheduler`). ``make check`` adds ``--forbid-processes``
+(``tests/process_guard.py``).
 """
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,8 +32,21 @@ from typing import Any
 
 import pytest
 
+from tests import process_guard
+from tests.chaos import matrix
+from tests.example_trainer import IMPORTS as TRAINER_IMPORTS
+from tests.example_trainer import digest, train_task
+from tests.mlflow_server import MlflowServer
+
+# One moto server per session (each test makes its own bucket): bound here, for every module.
+from tests.s3_fixtures import hung_port, moto_s3, restartable_s3, s3_env  # noqa: F401 - fixtures
+
 ROOT = Path(__file__).resolve().parent.parent
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="airflow-torchrun-tests-"))
+# Each pytest process (every xdist worker too) has one; it goes when the process ends (hundreds of
+# them, kept, once filled this machine's disk). AIRFLOW_TORCHRUN_KEEP_TEST_DIRS=1 keeps it to look at.
+if not os.environ.get("AIRFLOW_TORCHRUN_KEEP_TEST_DIRS"):
+    atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 AIRFLOW_HOME = _SESSION_DIR / "airflow"
 DAGS_FOLDER = _SESSION_DIR / "dags"
 STATE_DIR = _SESSION_DIR / "torchrun"
@@ -186,6 +211,164 @@ def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Cal
 
 
 def group_processes(group_id: str) -> list[int]:
-    from airflow_torchrun.backends.procs import group_pids
+    from airflow_torchrun.backends.local.procs import group_pids
 
     return group_pids(group_id)
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(folder)`` once for the whole run, its (JSON) result shared by every xdist worker.
+
+    For a costly result that is the same wherever it is computed (the digest of a deterministic
+    training run, checkpoints the tests only copy): the first worker to ask computes it under a
+    file lock in the run's shared temporary folder, with ``folder`` (there) for files it keeps;
+    the others wait for it and read it. A failure is not kept: the next worker to ask tries again
+    (and fails on its own).
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    result = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if result.exists():
+            return json.loads(result.read_text())
+        folder = shared / name
+        shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+        folder.mkdir()
+        value = compute(folder)
+        result.write_text(json.dumps(value))
+        return value
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(airflow_db: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The digest of the example trainer's job run without a failure (``tests/example_trainer.py``),
+    once per run: the resume and restart tests compare against it. (tests/chaos has its own, for
+    its wider model.)"""
+
+    def run_once(_folder: Path) -> str:
+        run, cleanup = make_runner(None)
+        try:
+            result = run(train_task([], retries=0), imports=TRAINER_IMPORTS)
+        finally:
+            cleanup()
+        assert result.state == "success", result.node_logs("train")[-4000:]
+        assert result.xcom("train", key="resumed_from") is None  # a fresh start
+        return digest(result.node_logs("train"))
+
+    return str(once_per_run(tmp_path_factory, "example-trainer-uninterrupted-digest", run_once))
+
+
+@pytest.fixture(scope="session")
+def mlflow_store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow SQLite store (tracking and registry tables), made once per run: MLflow
+    migrates a new SQLite store table by table, which took 10 to 30 s per test here."""
+
+    def make(folder: Path) -> str:
+        from mlflow import MlflowClient
+
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        client = MlflowClient(uri, registry_uri=uri)
+        client.search_experiments()
+        client.search_registered_models()
+        return str(folder / "mlflow.db")
+
+    return Path(once_per_run(tmp_path_factory, "mlflow-store-template", make))
+
+
+@pytest.fixture
+def mlflow_sqlite_uri(mlflow_store_template: Path, tmp_path: Path) -> str:
+    """A real MLflow SQLite store of this test's own (``tmp_path/mlflow.db``): a copy of the empty,
+    already migrated one, so each test starts from nothing without paying for the migrations."""
+    path = tmp_path / "mlflow.db"
+    shutil.copyfile(mlflow_store_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One real ``mlflow server`` for the session. A test that stops it (the fault it injects)
+    may leave it down: each user calls :meth:`MlflowServer.start` first (a no-op while it runs)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- how the session runs: the fast loop, xdist groups, the chaos report ---------------------------
+
+# Modules whose tests share one `airflow standalone` (module-scoped: started for the first test,
+# stopped after the last), so they run on one xdist worker, in file order. Everything else is
+# spread test by test: a module fixture that is cheap (an Airflow home) is then made once per
+# worker, a costly result is shared by all workers (once_per_run).
+XDIST_GROUPS = {
+    "test_deferrable_standalone.py": "standalone-deferrable",
+    "test_pipeline_ui.py": "standalone-pipeline-ui",
+}
+# A directory whose session fixture starts a Kubernetes cluster: one cluster, never two at once
+# (its tests all on one worker), and never in make check (`slow`).
+XDIST_DIRECTORY_GROUPS = {"e2e_k8s": "e2e-k8s"}
+# Fixtures that start a process (airflow db migrate, mlflow server, a training group): a test that
+# uses one is `slow` whatever its own marks say (make check's guard would fail it otherwise).
+PROCESS_FIXTURES = {"airflow_db", "mlflow_server", "uninterrupted", "crashed_run"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    process_guard.addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    process_guard.configure(config)
+
+
+def xdist_group_of(nodeid: str) -> str | None:
+    """The xdist group of a test, from its node id (the controller sees nothing else)."""
+    path = nodeid.split("::", 1)[0]
+    for directory, name in XDIST_DIRECTORY_GROUPS.items():
+        if path.startswith(f"tests/{directory}/"):
+            return name
+    return XDIST_GROUPS.get(path.rsplit("/", 1)[-1])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with the groups above. xdist's own loadgroup appends the group to the
+    node id, which pytest 9 no longer lets a plugin change (``nodeid`` is derived), so tests of one
+    group were spread like any others; this scheduler reads the group from the node id's path."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
+
+# First: before -m selects by the `slow` marks.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        path = Path(str(item.path))
+        in_cluster_directory = any(here / d in path.parents for d in XDIST_DIRECTORY_GROUPS)
+        starts_processes = in_cluster_directory or PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if starts_processes and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist's controller: a worker finished; keep the chaos trials it ran."""
+    matrix.absorb(getattr(node, "workeroutput", {}))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    matrix.finish(session.config)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    matrix.summary(terminalreporter)

@@ -17,21 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from airflow_torchrun.checkpoint import (
-    LINEAGE_FILE,
-    CheckpointRef,
-    CheckpointStore,
-    Lineage,
-    claim_lineage,
-    final_checkpoint,
-)
 from airflow_torchrun.errors import StorageError
 from airflow_torchrun.naming import lineage_path, segment, task_segment
+from airflow_torchrun.storage.checkpoints import CheckpointRef, CheckpointStore
+from airflow_torchrun.storage.lineage import LINEAGE_FILE, Lineage, claim_lineage, final_checkpoint, read_lineage
 from airflow_torchrun.worker import load_checkpoint, resume_step, save_checkpoint
 from tests import s3_fixtures
+from tests.conftest import once_per_run
 from tests.s3_fixtures import MotoS3
-
-moto_s3 = s3_fixtures.moto_s3
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -114,7 +107,7 @@ def test_a_root_belongs_to_its_first_lineage(root: str, clean_env: pytest.Monkey
     store.check_access()
     claim_lineage(store, MINE)
     claim_lineage(store, MINE)  # every try of the same task instance: fine
-    assert store.read_lineage() == MINE
+    assert read_lineage(store) == MINE
     _as_lineage(clean_env, MINE)
     for step in (20, 30):
         save_checkpoint({"w": torch.full((3,), float(step))}, step, uri=root, keep_last=2)
@@ -131,11 +124,11 @@ def test_a_root_without_lineage_file_is_claimed_by_what_its_markers_say(root: st
     _as_lineage(clean_env, THEIRS)
     save_checkpoint({"w": torch.ones(2)}, 5, uri=root)
     store = CheckpointStore(root)
-    assert store.read_lineage() is None  # written by ranks, not claimed through the operator
+    assert read_lineage(store) is None  # written by ranks, not claimed through the operator
     with pytest.raises(StorageError, match="dag 'dag_b'"):
         claim_lineage(store, MINE)
     claim_lineage(store, THEIRS)
-    assert store.read_lineage() == THEIRS
+    assert read_lineage(store) == THEIRS
 
 
 def test_marker_records_files_sizes_checksums_lineage_and_writer(root: str, clean_env: Any) -> None:
@@ -232,6 +225,7 @@ TWO_WRITERS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_writers_on_one_root_never_lose_a_committed_step(root: str, tmp_path: Path) -> None:
     script = tmp_path / "writer.py"
     script.write_text(TWO_WRITERS)
@@ -259,12 +253,13 @@ def test_a_foreign_sharded_checkpoint_needs_opt_in(tmp_path: Path, clean_env: py
     uri = save_checkpoint({"w": torch.arange(4.0)}, 3, uri=theirs, sharded=True)
     assert CheckpointStore(theirs).read_marker(3)["format"] == "dcp"
     into = {"w": torch.zeros(4)}
-    # Its own lineage loads it; another lineage only with the opt-in.
+    # The task whose root it lies in loads it; another only with the opt-in.
+    clean_env.setenv("TRAIN_CHECKPOINT_URI", theirs)
     assert torch.equal(load_checkpoint(uri=uri, into=into)["w"], torch.arange(4.0))  # type: ignore[index]
     _as_lineage(clean_env, MINE)
     clean_env.setenv("TRAIN_CHECKPOINT_URI", f"file://{tmp_path}/mine")
     into = {"w": torch.zeros(4)}
-    with pytest.raises(StorageError, match="sharded checkpoint of another lineage"):
+    with pytest.raises(StorageError, match="sharded checkpoint outside this task's checkpoint root"):
         load_checkpoint(uri=uri, into=into)
     assert torch.equal(into["w"], torch.zeros(4))  # nothing was read into it
     assert torch.equal(load_checkpoint(uri=uri, into=into, trust_sharded=True)["w"], torch.arange(4.0))  # type: ignore[index]
@@ -313,17 +308,22 @@ def _final(proc: subprocess.CompletedProcess[str]) -> tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tuple[int, str]]:
-    """An uninterrupted run's result, and a root where a run was killed at step 25 (steps 10, 20)."""
-    base = tmp_path_factory.mktemp("trainer")
-    straight = _torchrun(TRAINER_ARGS, {"TRAIN_CHECKPOINT_URI": f"file://{base}/straight"})
-    assert straight.returncode == 0, straight.stderr[-5000:]
-    failing = [*TRAINER_ARGS, "--fail-at-step", "25", "--fail-rank", "1", "--fail-mode", "kill"]
-    crashed = _torchrun(failing, {"TRAIN_CHECKPOINT_URI": f"file://{base}/crashed"})
-    assert crashed.returncode != 0
-    assert [r.step for r in CheckpointStore(f"file://{base}/crashed").committed()] == [10, 20]
-    return base / "crashed", _final(straight)
+    """An uninterrupted run's result, and a root where a run was killed at step 25 (steps 10, 20).
+    Made once per run (xdist's workers share it: the tests copy the root before damaging it)."""
+
+    def make(base: Path) -> list[Any]:
+        straight = _torchrun(TRAINER_ARGS, {"TRAIN_CHECKPOINT_URI": f"file://{base}/straight"})
+        assert straight.returncode == 0, straight.stderr[-5000:]
+        failing = [*TRAINER_ARGS, "--fail-at-step", "25", "--fail-rank", "1", "--fail-mode", "kill"]
+        crashed = _torchrun(failing, {"TRAIN_CHECKPOINT_URI": f"file://{base}/crashed"})
+        assert crashed.returncode != 0
+        assert [r.step for r in CheckpointStore(f"file://{base}/crashed").committed()] == [10, 20]
+        return [str(base / "crashed"), list(_final(straight))]
+
+    root, (step, digest) = once_per_run(tmp_path_factory, "lineage-crashed-run", make)
+    return Path(root), (int(step), str(digest))
 
 
 @pytest.mark.slow
@@ -472,7 +472,7 @@ def _role_connection(moto: MotoS3) -> str:
 def test_an_aws_connection_with_role_arn_is_resolved_by_the_provider(
     moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow_torchrun.checkpoint import storage_options_from_aws_conn_id
+    from airflow_torchrun.storage.aws import storage_options_from_aws_conn_id
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
@@ -531,8 +531,9 @@ def test_an_aws_connection_with_role_arn_works_end_to_end(
     assert "RANK REFRESHED True ASIA" in result.log
     assert "the ranks assume arn:aws:iam::" in result.log
     assert s3_fixtures.SECRET_KEY not in result.log
-    profiles = list((Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"]) / "credentials").glob("*.ini"))
-    assert profiles and all(p.stat().st_mode & 0o077 == 0 for p in profiles)
+    # The profile lived with the group only (0600 above), and went with its teardown.
+    state = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
+    assert not list((state / "credentials").glob("*.ini")) and not list(state.glob("groups/*/aws-profile.ini"))
     xcom = result.xcom("train")
     assert xcom["final_checkpoint"] == f"s3://{bucket}/ckpt/step-00000001"
     assert s3_fixtures.SECRET_KEY not in json.dumps(xcom)
@@ -544,7 +545,7 @@ def test_a_role_the_ranks_cannot_assume_themselves_says_why() -> None:
     """Only a plain assume_role with the connection's own source keys becomes a rank profile."""
     from types import SimpleNamespace
 
-    from airflow_torchrun.aws import rank_role
+    from airflow_torchrun.storage.aws import rank_role
 
     def wrapper(**fields: Any) -> SimpleNamespace:
         base = {

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
 from airflow_torchrun.diagnosis import RankFailure
+from airflow_torchrun.storage.checkpoints import CheckpointStore
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def _train_task(**kwargs: object) -> str:
 def test_a_group_torn_down_mid_run_saves_and_the_retry_resumes_bit_identical(run_dag: object) -> None:
     """The operator's own teardown (stop_group: SIGTERM to every process, SIGKILL after the grace)
     at a random step: the ranks save the next step boundary, the retry resumes from it."""
-    from airflow_torchrun.backends.procs import group_pids, stop_group
+    from airflow_torchrun.backends.local.procs import group_pids, stop_group
 
     straight = run_dag(_train_task(retries=0), imports="from datetime import timedelta")  # type: ignore[operator]
     assert straight.state == "success", straight.log[-4000:]
@@ -199,7 +199,7 @@ def test_killing_the_task_saves_a_checkpoint_first(run_dag: object) -> None:
     """``on_kill`` (the task cleared or marked failed in the UI) is a SIGTERM teardown: ranks that
     call ``save_if_stopping`` commit the step in progress before they go, so the next try of the
     task resumes from there; nothing is left running."""
-    from airflow_torchrun.backends.procs import group_pids
+    from airflow_torchrun.backends.local.procs import group_pids
 
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
     earlier = set((state_dir / "groups").glob("*"))

@@ -11,21 +11,11 @@ from typing import Any
 
 import pytest
 
-from airflow_torchrun.checkpoint import (
-    COMMIT_MARKER,
-    CheckpointRef,
-    CheckpointStore,
-    normalize_uri,
-    parse_uri,
-    ref_from_uri,
-    resolve_resume,
-)
 from airflow_torchrun.errors import StorageError
-from tests import s3_fixtures
+from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
+from airflow_torchrun.storage.lineage import ref_from_uri, resolve_resume
+from airflow_torchrun.storage.uri import normalize_uri, parse_uri
 from tests.s3_fixtures import MotoS3, closed_port
-
-moto_s3 = s3_fixtures.moto_s3
-s3_env = s3_fixtures.s3_env
 
 
 @dataclass
@@ -336,7 +326,7 @@ def test_marker_is_json_that_names_the_step(root: Root) -> None:
 
 # -- from an Airflow connection to the ranks' environment ----------------------------------------
 def test_storage_options_from_aws_connection_and_back_to_env() -> None:
-    from airflow_torchrun.checkpoint import storage_env, storage_options_from_aws_connection
+    from airflow_torchrun.storage.aws import storage_env, storage_options_from_aws_connection
 
     extra = {
         "region_name": "eu-west-1",

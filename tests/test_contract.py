@@ -11,8 +11,9 @@ import pytest
 from airflow_torchrun import contract
 from airflow_torchrun.contract import CONTRACT_ENV
 from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.wiring import GroupIdentity, plan
+from airflow_torchrun.wiring import plan
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NAMES = sorted(CONTRACT_ENV)
@@ -109,7 +110,7 @@ def test_reserved_names_in_a_bypassing_spec_do_not_reach_the_plan(script):
 
 
 def test_worker_helpers_read_the_contract_constants():
-    from airflow_torchrun import checkpoint
+    from airflow_torchrun.storage import aws as checkpoint
     from airflow_torchrun.worker import metrics, shards
 
     assert checkpoint.STORAGE_OPTIONS_ENV == contract.CHECKPOINT_STORAGE_OPTIONS

@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 
+from airflow_torchrun.contract.function import CALL_ENV, ENV_VALUE_LIMIT, SOURCE_ENV
 from airflow_torchrun.errors import InvalidSpecError
-from airflow_torchrun.worker.function import CALL_ENV, ENV_VALUE_LIMIT, SOURCE_ENV, _covers, result_json
+from airflow_torchrun.worker.function import _covers, result_json
 from tests.conftest import DAGS_FOLDER
 
 # Ray Train's canonical example, as a @task.torchrun function: DDP around nn.Linear(10, 1), an SGD
@@ -344,7 +345,8 @@ def test_the_preview_ships_source_and_arguments_with_lines_of_the_dag_file(tmp_p
 
 
 def test_positional_and_variadic_arguments_reach_the_function_as_called(tmp_path):
-    from airflow_torchrun.worker.function import FunctionCall, load_function
+    from airflow_torchrun.contract.function import FunctionCall
+    from airflow_torchrun.worker.function import load_function
 
     dag = _dag(
         """
@@ -387,6 +389,7 @@ def test_a_return_value_that_is_not_json_says_what_to_return():
         result_json("train", {"loss": Tensor()})
 
 
+@pytest.mark.slow
 def test_importing_the_decorator_and_the_worker_module_stays_cheap():
     code = (
         "import sys\n"

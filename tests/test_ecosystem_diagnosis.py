@@ -9,12 +9,15 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import pytest
+
 from airflow_torchrun import diagnosis
-from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.contract import checkpoint_dir
 from airflow_torchrun.integrations.detect import find_framework_checkpoint
+from airflow_torchrun.storage.checkpoints import CheckpointStore
 from airflow_torchrun.worker.launch import expand_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +176,14 @@ def _launch(tmp_path: Path, source: str, *args: str) -> tuple[subprocess.Complet
     )
 
 
+def _stamped(record: dict, *keys: str) -> dict:
+    """``record`` without ``keys``, after checking each is a recent epoch time (the timeline's marks)."""
+    for key in keys:
+        assert isinstance(record.get(key), float) and abs(time.time() - record[key]) < 600, (key, record)
+    return {k: v for k, v in record.items() if k not in keys}
+
+
+@pytest.mark.slow
 def test_launcher_records_the_parsers_error_line(tmp_path):
     proc, err, pg = _launch(
         tmp_path,
@@ -186,7 +197,8 @@ def test_launcher_records_the_parsers_error_line(tmp_path):
         "${TRAIN_CHECKPOINT_DIR}/x",
     )
     assert proc.returncode == 0 and "out: /ckpt/dir/x" in proc.stdout
-    assert pg == {"joined": False, "rank_env": "0"}
+    # when the script started is the timeline's ``ranks started``; it never joined a group
+    assert _stamped(pg, "started_at") == {"joined": False, "rank_env": "0"}
     proc, err, _ = _launch(tmp_path, "import argparse\nargparse.ArgumentParser(prog='train.py').parse_args()\n", "--x")
     assert proc.returncode == 2 and "usage:" in proc.stderr  # stderr still reaches the log
     extra = err["message"]["extraInfo"]
@@ -206,6 +218,7 @@ def test_usage_error_lines():
     assert usage_error("Traceback...\nValueError: no error here\n") is None
 
 
+@pytest.mark.slow
 def test_launcher_marks_failures_of_module_level_imports(tmp_path):
     (tmp_path / "brokenlib.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
     _, err, _ = _launch(tmp_path, "import os\nimport brokenlib\n")
@@ -215,6 +228,7 @@ def test_launcher_marks_failures_of_module_level_imports(tmp_path):
     assert "phase" not in err["message"]["extraInfo"]
 
 
+@pytest.mark.slow
 def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypatch):
     from tests.standalone import free_port
 
@@ -234,4 +248,13 @@ def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypa
     )
     assert proc.returncode == 0, proc.stderr
     # destroy_process_group() came first: what ran on the group is noted before it goes away
-    assert pg == {"joined": True, "rank": 0, "world_size": 1, "backend": "gloo", "collectives": 1, "rank_env": "0"}
+    stamps = {key: pg[key] for key in ("started_at", "joined_at") if key in pg}
+    assert _stamped(pg, "started_at", "joined_at") == {
+        "joined": True,
+        "rank": 0,
+        "world_size": 1,
+        "backend": "gloo",
+        "collectives": 1,
+        "rank_env": "0",
+    }
+    assert stamps["started_at"] <= stamps["joined_at"]  # the group stood after the script started

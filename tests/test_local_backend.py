@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from airflow_torchrun.backends.local import LocalBackend
-from airflow_torchrun.backends.procs import group_pids
+from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.backends.local.procs import group_pids
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import GroupState, NodePhase, group_status
-from airflow_torchrun.wiring import GroupIdentity
+from airflow_torchrun.status import NodePhase, Outcome, group_status
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_agent_killed_with_sigkill_leaves_no_orphaned_worker(tmp_path, tiny_scri
         sup = json.loads((Path(handle.group_dir) / "node-1" / "supervisor.json").read_text())
         os.kill(sup["agent_pid"], signal.SIGKILL)
         status = _terminal(backend, handle, what="the group to fail")
-        assert status.state is GroupState.FAILED
+        assert status.state is Outcome.FAILED
         # Node 0 may be seen failing first (its rank lost its peer); node 1's outcome follows.
         node1 = _until(
             lambda: (n := backend.observe(handle)[1]).finished_at and n.exit_code is not None and n,
@@ -143,7 +143,7 @@ def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tin
     spec = GroupSpec.create(script=str(tiny_script), num_nodes=2, nproc_per_node=1)
     handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
     status = _terminal(backend, handle, what="the group to finish")
-    assert status.state is GroupState.SUCCEEDED
+    assert status.state is Outcome.SUCCEEDED
     for n in range(2):
         node_dir = Path(handle.group_dir) / f"node-{n}"
         assert json.loads((node_dir / "exit.json").read_text())["returncode"] == 0
@@ -173,7 +173,7 @@ SLOW_TO_STOP = textwrap.dedent(
 def test_a_stopped_agent_keeps_its_exit_code_in_exit_json(tmp_path):
     """The supervisor reaps orphans while it stops its node; it must not swallow the agent's own
     status (Popen then reports 0: a CI run saw a torn-down group reported as succeeded)."""
-    from airflow_torchrun.wiring import GROUP_ID_VAR, NODE_RANK_VAR
+    from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
 
     script = tmp_path / "agent.py"
     script.write_text(SLOW_TO_STOP)
@@ -184,7 +184,7 @@ def test_a_stopped_agent_keeps_its_exit_code_in_exit_json(tmp_path):
         [
             sys.executable,
             "-m",
-            "airflow_torchrun.backends.local_supervisor",
+            "airflow_torchrun.backends.local.supervisor",
             f"--node-dir={node_dir}",
             "--grace=10",
             "--",
@@ -234,19 +234,86 @@ def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tin
     assert report.signal == "SIGKILL" and report.headline.startswith("rank 1 "), report.message
 
 
-def test_the_agents_failure_report_is_found_only_once_its_line_is_whole(tmp_path):
-    from airflow_torchrun.backends.local_supervisor import _FailureScan
+PRINTS_THE_AGENTS_PHRASE = textwrap.dedent(
+    """
+    import sys, time
+    import torch, torch.distributed as dist
 
-    log = tmp_path / "node.log"
-    log.write_bytes(b"[node 0 rank 0] step 1\n")
-    scan = _FailureScan(log)
-    assert scan.line() is None
-    report = b"E1201 12:00:00.000000 7564 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9)"
-    with open(log, "ab") as fp:  # the report arrives in three writes, split inside its marker
-        for part in (report[:70], report[70:]):
-            fp.write(part)
-            fp.flush()
-            assert scan.line() is None
-        fp.write(b" local_rank: 0 (pid: 7573) of binary: python\n")
-    line = scan.line()
-    assert line is not None and line.startswith("E1201") and line.endswith("of binary: python")
+    dist.init_process_group("gloo")
+    # What torchrun's agent logs when a worker dies, printed by a healthy rank (a log line it
+    # relays, a test it runs, a user's message): to stdout and to stderr, whole lines.
+    phrase = "failed (exitcode: -9) local_rank: 0 (pid: 4242) of binary: /usr/bin/python3"
+    for step in range(30):
+        print(f"step {step}: relaying: {phrase}", flush=True)
+        print(phrase, file=sys.stderr, flush=True)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group(tmp_path):
+    """Finding 8 of the trust review: the node's supervisor marked its node failed when the phrase
+    torchrun's agent logs for a dead worker appeared anywhere in the node's log, and rank output
+    shares that log, so a rank that printed it tore down a healthy group. A node fails only by its
+    ranks' exit statuses and error files, and its agent's."""
+    script = tmp_path / "prints_phrase.py"
+    script.write_text(PRINTS_THE_AGENTS_PHRASE)
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    try:
+        status = _terminal(backend, handle, what="the group to end")
+    finally:
+        backend.teardown(handle)
+    logs = "".join(Path(p).read_text() for p in backend.log_locations(handle))
+    assert logs.count("failed (exitcode: -9)") >= 60 and logs.count("done") == 2, logs[-2000:]
+    assert status.state is Outcome.SUCCEEDED, status
+    assert [n.exit_code for n in status.nodes] == [0, 0]
+    assert not list(Path(handle.group_dir).glob("node-*/rank-failed.json"))
+    assert group_pids(handle.group_id) == []
+
+
+REAPING_PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    # Like torchrun's agent: three workers, reaped by polling every 0.1 s.
+    codes = {"ok": "import time; time.sleep(1.0)", "three": "import time, sys; time.sleep(1.3); sys.exit(3)",
+             "killed": "import time; time.sleep(60)"}
+    procs = {name: subprocess.Popen([sys.executable, "-c", code], env={"RANK": str(i), "LOCAL_RANK": str(i)})
+             for i, (name, code) in enumerate(codes.items())}
+    print(" ".join(f"{name}={p.pid}" for name, p in procs.items()), flush=True)
+    while any(p.poll() is None for p in procs.values()):
+        time.sleep(0.1)
+    """
+)
+
+
+def test_the_supervisor_reads_each_workers_exit_status_from_the_kernel(tmp_path):
+    """Each worker's outcome comes from its pidfd and its zombie's wait status, before the parent
+    (torchrun's agent, here a stand-in that reaps every 0.1 s) collects it: an exit code, a signal."""
+    import select
+
+    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
+
+    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = dict(item.split("=") for item in parent.stdout.readline().split())
+        watch = _WorkerWatch(parent.pid)
+        _until(lambda: watch.discover() or len(watch.workers) == 3, what="the three workers")
+        os.kill(int(pids["killed"]), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while len(watch.outcomes) < 3 and time.monotonic() < deadline:
+            readable, _, _ = select.select(watch.fds(), [], [], 0.05)
+            watch.ended(readable)
+    finally:
+        parent.kill()
+        parent.wait()
+    by_pid = {o["pid"]: o for o in watch.outcomes}
+    assert by_pid[int(pids["ok"])]["exit_code"] == 0
+    assert by_pid[int(pids["three"])]["exit_code"] == 3 and by_pid[int(pids["three"])]["local_rank"] == 1
+    killed = by_pid[int(pids["killed"])]
+    assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)
+    assert watch.workers == {}  # every pidfd closed

@@ -20,10 +20,9 @@ import pytest
 
 from tests import s3_fixtures
 from tests.conftest import group_processes
-from tests.test_tracking_faults import MlflowServer
+from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
-restartable_s3 = s3_fixtures.restartable_s3
 
 
 def once_training(action: Callable[[], None]) -> threading.Thread:
@@ -104,9 +103,10 @@ def test_a_missing_bucket_fails_at_once_without_retry(run_dag, tiny_script, rest
     assert time.monotonic() - started < 50, "a permanent error must not wait out the budget"
 
 
-def test_tracking_down_when_training_ends_does_not_fail_the_task(run_dag, tiny_script, tmp_path, caplog):
-    server = MlflowServer(tmp_path / "mlflow")
-    server.root.mkdir()
+def test_tracking_down_when_training_ends_does_not_fail_the_task(
+    run_dag, tiny_script, mlflow_server: MlflowServer, caplog
+):
+    server = mlflow_server
     server.start()
     stopper = once_training(server.stop)
     try:

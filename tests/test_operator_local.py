@@ -29,6 +29,17 @@ def _wait_for_group(state_dir: Path, since: float, timeout: float = 60.0) -> str
     raise AssertionError("no group started")
 
 
+def _wait_for_ranks(group_dir: Path, ranks: int, timeout: float = 60.0) -> None:
+    """Every rank of the group has joined it and printed its first line (tiny_ddp's ``rank=N``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = "".join(p.read_text(errors="replace") for p in group_dir.glob("node-*/node.log"))
+        if all(f"rank={rank} " in text for rank in range(ranks)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks of {group_dir.name} never all started")
+
+
 @pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
 def test_2x2_all_ranks_see_world_size_4_and_all_reduce(run_dag, tiny_script, deferrable):
     result = run_dag(
@@ -150,7 +161,7 @@ def test_on_kill_tears_the_group_down(run_dag, tiny_script):
 
     def kill_when_running() -> None:
         group_id = _wait_for_group(state_dir, since)
-        time.sleep(1.0)
+        _wait_for_ranks(state_dir / "groups" / group_id, ranks=2)
         seen["pids"] = group_processes(group_id)
         # What Airflow's task runner receives when the task is cleared or marked failed in the UI.
         os.kill(os.getpid(), signal.SIGTERM)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 DAG_ID = "torchrun_pipeline"
 
 
@@ -56,11 +56,54 @@ def last_run_id(output: str) -> str:
     raise AssertionError("no finished DAG run in the output:\n" + output[-3000:])
 
 
-def test_pipeline_trains_through_a_failure_and_registers_once(home):
-    conf = {"fail_at_step": 30, "epochs": 3}
+# What the metadata database says of a run's training task: each try's start and end, the XCom
+# values of its last try, the checkpoint asset's event (read in the home's own Airflow).
+FACTS = """
+import json, sys
+from airflow.models.asset import AssetEvent
+from airflow.models.taskinstance import TaskInstance
+from airflow.models.taskinstancehistory import TaskInstanceHistory
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+from sqlalchemy import select
+
+dag_id, run_id = sys.argv[1], sys.argv[2]
+with create_session() as session:
+    tries = []
+    for model in (TaskInstanceHistory, TaskInstance):
+        rows = session.scalars(select(model).where(model.dag_id == dag_id, model.run_id == run_id,
+                                                   model.task_id == "train"))
+        tries += [(r.try_number, r.start_date.timestamp(), r.end_date.timestamp()) for r in rows]
+    xcom = {}
+    for key in ("goodput", "resume_audit"):
+        row = session.scalars(XComModel.get_many(run_id=run_id, key=key, task_ids="train", dag_ids=dag_id)).first()
+        xcom[key] = None if row is None else XComModel.deserialize_value(row)
+    events = session.scalars(select(AssetEvent).order_by(AssetEvent.id)).all()
+    extra = [e.extra for e in events if "goodput" in (e.extra or {})]
+print(json.dumps({"tries": sorted(tries), "xcom": xcom, "asset_extra": extra[-1] if extra else None}))
+"""
+
+
+def training_facts(env: dict[str, str], run_id: str) -> dict:  # type: ignore[type-arg]
+    result = subprocess.run(
+        [sys.executable, "-c", FACTS, DAG_ID, run_id], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def failed_once(home: dict[str, str]) -> tuple[str, str]:
+    """The pipeline with its planned failure (rank 1 killed at step 30, the retry resumes from 20)."""
+    conf = {"fail_at_step": 30, "epochs": 3, "require_approval": False}
     result = airflow(home, "dags", "test", DAG_ID, "-c", json.dumps(conf))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
+    return out, last_run_id(out)
+
+
+def test_pipeline_trains_through_a_failure_and_registers_once(home, failed_once):
+    out, _ = failed_once
     assert "was killed by signal SIGKILL" in out  # the planned failure of try 1
     assert "resuming from file://" in out and "(step 20)" in out
     run_id = last_run_id(out)
@@ -92,8 +135,44 @@ def test_pipeline_trains_through_a_failure_and_registers_once(home):
     assert len(client.search_model_versions("name = 'digits-mlp'")) == 1
 
 
+def test_the_pipeline_reports_where_its_time_went_and_that_its_resume_was_exact(home, failed_once):
+    out, run_id = failed_once
+    facts = training_facts(home, run_id)
+    (one, first_start, _first_end), (two, second_start, second_end) = facts["tries"]
+    assert (one, two) == (1, 2)
+    goodput = facts["xcom"]["goodput"]
+    this, task = goodput["try"], goodput["task"]
+    # Try 2's categories add up to its wall time as Airflow measured it (start to end of the try).
+    airflow_wall = second_end - second_start
+    assert abs(sum(this["categories"].values()) - airflow_wall) <= 0.02 * airflow_wall, (this, airflow_wall)
+    # The task's: from try 1's start to try 2's end, the gap between the tries a restart gap.
+    task_wall = second_end - first_start
+    assert abs(sum(task["categories"].values()) - task_wall) <= 0.02 * task_wall, (task, task_wall)
+    assert [t["try"] for t in goodput["tries"]] == [1, 2] and task["tries"] == 2
+    # Lost work: resumed from step 20, rank 1 died on reaching step 30: steps 21-29 were done twice.
+    ledger = [line for line in out.splitlines() if "Goodput of try" in line or "Resume audit" in line]
+    assert this["lost_steps"] == 9 and task["lost_steps"] == 9, (this, task, ledger)
+    assert this["categories"]["lost_work"] > 0 and task["categories"]["restart_gap"] > 0
+    # ETTR is productive time over wall time, the task's summing its tries (which of the two is the
+    # larger depends on the job: with this tiny model a step takes milliseconds, startup seconds).
+    assert 0 < this["ettr"] < 1 and 0 < task["ettr"] < 1, (this, task)
+    assert this["ettr"] == pytest.approx(this["categories"]["productive"] / this["wall_s"], abs=2e-3), this
+    productive = sum(t["categories"]["productive"] for t in goodput["tries"])
+    assert task["categories"]["productive"] == pytest.approx(productive, abs=0.01), (task, goodput["tries"])
+    assert goodput["tries"][0]["outcome"] == "failed" and this["outcome"] == "succeeded"
+    assert "Goodput of try 2: ETTR" in out and "the task (2 tries)" in out
+    # The recomputed steps' losses were the ones try 1 reported, bit for bit.
+    audit = facts["xcom"]["resume_audit"]
+    assert audit["status"] == "exact" and audit["resumed_step"] == 20 and audit["steps"] == [21, 29], audit
+    assert "Resume audit (resumed from step 20): exact" in out
+    assert facts["asset_extra"]["goodput"]["tries"] == 2 and facts["asset_extra"]["resume_audit"] == "exact"
+    run = mlflow_client(home).search_runs([mlflow_client(home).get_experiment_by_name(DAG_ID).experiment_id])[0]
+    assert run.data.tags["torchrun.resume_audit"] == "exact"
+    assert run.data.metrics["goodput_lost_steps"] == 9 and 0 < run.data.metrics["goodput_ettr"] < 1
+
+
 def test_a_failing_gate_skips_registration(home):
-    conf = {"epochs": 1, "quality_gate": {"accuracy": ">= 0.999"}}
+    conf = {"epochs": 1, "quality_gate": {"accuracy": ">= 0.999"}, "require_approval": False}
     result = airflow(home, "dags", "test", DAG_ID, "-c", json.dumps(conf))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]

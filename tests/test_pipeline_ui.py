@@ -58,7 +58,7 @@ ARTIFACTS = Path(os.environ.get("UI_ARTIFACTS") or ROOT / ".state" / "artifacts"
 # The training view's run: long enough to be watched (3,300 steps checkpointed every 20; 100 epochs took 25 s here).
 VIEW_EPOCHS = 150
 # name -> (ARIA role of its field, default the form shows, (minimum, maximum) the field enforces or None)
-PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox"], str, tuple[str, str] | None]] = {
+PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox", "checkbox"], str, tuple[str, str] | None]] = {
     "num_nodes": ("spinbutton", "2", ("1", "8")),
     "nproc_per_node": ("spinbutton", "1", ("1", "8")),
     "epochs": ("spinbutton", "5", ("1", "200")),
@@ -66,13 +66,22 @@ PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox"], str, tuple
     "backend": ("combobox", "local", None),
     "quality_gate": ("textbox", '"accuracy": ">= 0.9"', None),  # a JSON editor
     "fail_at_step": ("spinbutton", "0", None),
+    "shards_uri": ("textbox", "", None),  # null: the shard task's default place
+    "require_approval": ("checkbox", "", None),  # a switch, on
+    "source_uri": ("textbox", "", None),  # null: scikit-learn's digits
 }
 
 
 @pytest.fixture(scope="module")
 def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
     root = tmp_path_factory.mktemp("pipeline-ui")
-    extra = {"AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL}
+    extra = {
+        "AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL,
+        # A task whose start the loaded API server did not answer in time (its PATCH .../run waited
+        # 33 s on SQLite) failed the whole run; tasks that set their own retries keep them.
+        "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "1",
+        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "0",
+    }
     with start_standalone(root, ROOT / "dags", DAG_ID, "train", extra_env=extra) as server:
         yield server
 
@@ -127,6 +136,8 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
     monkeypatch.setenv("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
     from playwright.sync_api import expect, sync_playwright
 
+    expect.set_options(timeout=60_000)  # a loaded machine's first render took longer than the default 5 s
+
     declared = airflow.ok("GET", f"/api/v2/dags/{DAG_ID}/details")["params"]
     assert sorted(declared) == sorted(PARAMS), "the DAG declares other Params than this test checks"
     before = _runs(airflow)
@@ -152,6 +163,8 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
                     if bounds is not None:
                         expect(field).to_have_attribute("aria-valuemin", bounds[0])
                         expect(field).to_have_attribute("aria-valuemax", bounds[1])
+                elif role == "checkbox":
+                    expect(row.get_by_role(role)).to_be_checked()
                 else:
                     expect(row.get_by_role(role)).to_have_count(1)
                     expect(row).to_contain_text(default)
@@ -179,12 +192,17 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
 def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Standalone) -> None:
     airflow.unpause()
     # A gate two epochs pass (about 0.87 accuracy), so the run also shows the object Param arriving.
-    run_id = airflow.trigger({"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}})
+    run_id = airflow.trigger(
+        {"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}, "require_approval": False}
+    )
     state = airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
     run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}"
     tis = airflow.ok("GET", f"{run_path}/taskInstances")["task_instances"]
     states = {t["task_id"]: (t["state"], t["try_number"]) for t in tis}
     assert state == "success", f"{states}\n{airflow.task_log(run_id, task_id='train')[-4000:]}"
+    # The promotion is approved unattended, or skipped when the candidate does not beat the champion.
+    decided = {task: states.pop(task) for task in ("approve", "promote")}
+    assert {st for st, _ in decided.values()} <= {"success", "skipped"}, decided
     assert states == {
         "export_dataset": ("success", 1),
         "shard": ("success", 1),
@@ -211,7 +229,7 @@ def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Stand
     assert link, f"no 'MLflow run' link on the train task: {links}"
     assert link.startswith(f"{MLFLOW_UI_URL}/#/experiments/"), link
     assert link.endswith(f"/runs/{train['mlflow_run_id']}"), link
-    assert links.get("Checkpoint") == train["final_checkpoint"], links  # file://: the URI itself
+    assert links.get("Checkpoint") is None, links  # file://: no link (only http(s) under the storage console)
     version_link = airflow.ok("GET", f"{run_path}/taskInstances/register/links")["extra_links"]
     assert version_link.get("Registered model version") == (
         f"{MLFLOW_UI_URL}/#/models/{register['name']}/versions/{register['version']}"
@@ -285,6 +303,8 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
     os.environ["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
     from playwright.sync_api import expect, sync_playwright
 
+    expect.set_options(timeout=60_000)  # a loaded machine's first render took longer than the default 5 s
+
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     before = _runs(airflow)
     with sync_playwright() as pw:
@@ -297,11 +317,16 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
             form = page.get_by_role("dialog")
             form.get_by_role("spinbutton", name="epochs").fill(str(VIEW_EPOCHS))
             form.get_by_role("spinbutton", name="learning_rate").fill("0.004")
+            # Unattended: no person approves the promotion in this test.
+            approval = form.get_by_role("group").filter(has_text="Required actions").get_by_role("checkbox")
+            form.locator("label", has=page.locator('input[name="element_require_approval"]')).click()  # the switch
+            expect(approval).not_to_be_checked()
             form.get_by_role("button", name="Trigger", exact=True).click()
             expect(form).to_be_hidden()
             run_id = wait_for_new_run(airflow, before)
             conf = airflow.ok("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}")["conf"]
             assert conf["epochs"] == VIEW_EPOCHS and conf["learning_rate"] == 0.004, conf
+            assert conf["require_approval"] is False, conf
 
             # The API over HTTP while it trains: every rank running, the step advancing.
             first = wait_for(f"run {run_id} training on every rank", lambda: _running_with_steps(airflow, run_id), 240)
@@ -335,8 +360,16 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
                 expect(frame.locator("#ranks tr[data-rank]").nth(i)).to_contain_text("succeeded")
             expect(frame.locator("#checkpoints")).to_contain_text("committed")
             links = frame.locator("#links")
-            for name in ("MLflow run", "Checkpoint", "Registered model version"):
+            for name in ("MLflow run", "Registered model version"):
                 expect(links.get_by_role("link", name=name)).to_have_count(1)
+            # A file:// checkpoint is no link (only http(s) under the configured console is); the
+            # checkpoints table names it.
+            expect(links.get_by_role("link", name="Checkpoint")).to_have_count(0)
+            # The goodput ledger: one stacked bar for the try, productive time among its parts.
+            bars = frame.locator("#goodput .goodput[data-try]")
+            expect(bars).to_have_count(1)
+            expect(bars.first.locator('[data-category="productive"]')).to_have_count(1)
+            expect(frame.locator("#goodput")).to_contain_text("ETTR")
             page.screenshot(path=str(ARTIFACTS / "training-succeeded.png"))
         finally:
             browser.close()
@@ -352,7 +385,10 @@ def test_ui_training_view_follows_a_run_from_the_form_to_success(airflow: Standa
     committed = [c for c in done["checkpoints"] if c["committed"]]
     assert committed and committed[-1]["step"] == total and committed[-1]["size"] > 0, done["checkpoints"]
     assert done["links"]["mlflow_run"].startswith(MLFLOW_UI_URL), done["links"]
-    assert done["links"]["checkpoint"] == done["final_checkpoint"], done["links"]  # file://: the URI itself
+    # A file:// checkpoint is no link (XCom names it, and a link is only http(s) under the configured
+    # storage console); the document still names the final checkpoint.
+    assert done["links"]["checkpoint"] is None, done["links"]
+    assert done["final_checkpoint"].startswith("file://") and done["final_checkpoint"].endswith(f"{total:08d}")
     register = _xcom(airflow, run_id, "register")
     assert done["links"]["model_version"] == (
         f"{MLFLOW_UI_URL}/#/models/{register['name']}/versions/{register['version']}"
@@ -364,3 +400,120 @@ def wait_for_new_run(server: Standalone, before: set[str]) -> str:
     new = wait_for("the run the form triggered", lambda: _runs(server) - before, 60)
     assert len(new) == 1, new
     return str(next(iter(new)))
+
+
+def _earlier_try_frame_checks(frame: Any, expect: Any, doc: dict[str, Any]) -> None:
+    """Every section of the failed first try's view, as a user reads it."""
+    expect(frame.locator("#group-state")).to_have_text("failed")
+    expect(frame.locator("#ti-state")).to_have_text("failed")  # it was empty: no state for an earlier try
+    expect(frame.locator("#tries")).to_contain_text("try 1")
+    reached = doc["progress"]["reached"]
+    # The try committed step 20 before rank 1 died at 30; it read "step 1/N (1%)".
+    expect(frame.locator("#progress-line")).to_contain_text(f"reached step {reached}/{doc['progress']['total_steps']}")
+    expect(frame.locator("#progress-line")).not_to_contain_text("slowest rank")  # from warm-up records alone
+    expect(frame.locator("#progress-bar")).to_have_class("bar failed")
+    expect(frame.locator('#checkpoints tr[data-step="20"]')).to_contain_text("try 1 (this try)")
+    expect(frame.locator('#checkpoints tr[data-step="20"]')).to_contain_text("committed")
+    expect(frame.locator("#links").get_by_role("link", name="MLflow run")).to_have_count(1)  # it said "none"
+    failure = frame.locator("#failure")
+    expect(failure).to_contain_text("rank 1")
+    expect(failure).to_contain_text("SIGKILL")
+    expect(failure).not_to_contain_text("@torchrun-progress")  # a raw progress record in the log tail
+    for rank in (0, 1):
+        expect(frame.locator(f'#ranks tr[data-rank="{rank}"]')).to_contain_text("1")  # its step
+    expect(frame.locator("#loss-chart polyline")).to_have_count(2)  # one line per rank
+    expect(frame.locator("#throughput-chart polyline")).to_have_count(2)
+
+
+@pytest.mark.timeout(1500)
+def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Standalone) -> None:
+    missing = _missing_browser()
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"CI must run the UI test: {missing}")
+    if missing:
+        pytest.skip(missing)
+    os.environ["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=60_000)  # a loaded machine's first render took longer than the default 5 s
+
+    airflow.unpause()
+    run_id = airflow.trigger({"epochs": 2, "fail_at_step": 30, "require_approval": False})
+    assert airflow.wait_run_state(run_id, {"success", "failed"}, 3 * RUN_DEADLINE_S) == "success"
+    api = f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
+    first = airflow.ok("GET", f"{api}?try_number=1")
+    assert (first["try_number"], first["latest_try"], first["ti_state"]) == (1, 2, "failed"), first
+    assert first["progress"]["reached"] >= 20, first["progress"]
+    mine = [c for c in first["checkpoints"] if c["try_number"] == 1 and c["committed"]]
+    assert [c["step"] for c in mine] == [20], first["checkpoints"]
+    assert first["links"]["mlflow_run"].startswith(MLFLOW_UI_URL), first["links"]
+    assert "@torchrun-progress" not in first["failure"], first["failure"]
+    latest = airflow.ok("GET", api)
+    assert latest["ti_state"] == "success" and latest["progress"]["reached"] == latest["progress"]["total_steps"]
+    assert {s["rank"] for s in latest["series"]} == {0, 1} and all(len(s["points"]) >= 2 for s in latest["series"])
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    names = ("training-try1-failed.png", "training-try2-succeeded.png", "training-small-loss.png")
+    shots = [ARTIFACTS / n for n in names]
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.set_default_timeout(60_000)
+            view = f"/dags/{DAG_ID}/runs/{quote(run_id, safe='')}/tasks/train/plugin/torchrun-training"
+            _login(page, airflow, view)
+            frame = page.frame_locator("iframe")
+            expect(frame.locator("#group-state")).to_have_text("succeeded")
+            frame.locator('#tries a[data-try="1"]').click()  # the earlier try, as a user gets there
+            _earlier_try_frame_checks(frame, expect, first)
+            page.screenshot(path=str(shots[0]), full_page=True)
+
+            frame.locator('#tries a[data-try="2"]').click()
+            expect(frame.locator("#ti-state")).to_have_text("success")
+            bar = frame.locator("#progress-bar > div")
+            expect(bar).to_have_css("background-color", "rgb(56, 161, 105)")  # green at 100%: it was red
+            expect(bar).to_have_attribute("style", "width:100.0%")
+            page.screenshot(path=str(shots[1]), full_page=True)
+
+            # A finished run's small loss: the same page on a document whose loss is 3.1e-05.
+            small = {**latest, "ranks": [{**r, "loss": 3.1e-05} for r in latest["ranks"]]}
+            page.route("**/torchrun/api/v1/**", lambda route: route.fulfill(json=small))
+            page.reload()
+            frame = page.frame_locator("iframe")
+            for rank in (0, 1):
+                expect(frame.locator(f'#ranks tr[data-rank="{rank}"] td.loss')).to_have_text("3.1e-5")  # it read "0"
+            page.screenshot(path=str(shots[2]), full_page=True)
+        finally:
+            browser.close()
+    for shot in shots:
+        _not_blank(shot)
+
+
+def test_the_sweep_under_standalone_one_view_row_per_map_index(airflow: Standalone) -> None:
+    """torchrun_sweep (two rates) scheduled for real: both instances train, each one's Training tab
+    lists both by their map_index_template names, and the best is registered."""
+    sweep = "torchrun_sweep"
+    airflow.unpause(sweep)
+    run = airflow.ok(
+        "POST",
+        f"/api/v2/dags/{sweep}/dagRuns",
+        {"logical_date": None, "conf": {"learning_rates": [0.001, 0.01], "epochs": 1}},
+    )
+    run_id = run["dag_run_id"]
+    path = f"/api/v2/dags/{sweep}/dagRuns/{quote(run_id, safe='')}"
+
+    def ended() -> str | None:
+        state = airflow.ok("GET", path)["state"]
+        return state if state in ("success", "failed") else None
+
+    assert wait_for(f"{sweep} run {run_id}", ended, RUN_DEADLINE_S * 2, interval=2.0) == "success"
+    tis = airflow.ok("GET", f"{path}/taskInstances")["task_instances"]
+    names = sorted((t["map_index"], t["rendered_map_index"]) for t in tis if t["task_id"] == "train")
+    assert names == [(0, "lr=0.001"), (1, "lr=0.01")], names
+    api = f"/torchrun/api/v1/dags/{sweep}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
+    for index in (0, 1):
+        doc = airflow.ok("GET", f"{api}?map_index={index}")
+        assert doc["map_index"] == index and doc["state"] == "succeeded", doc
+        assert [(m["map_index"], m["name"]) for m in doc["map_instances"]] == names
+        assert doc["checkpoint_uri"].endswith(f"/train~map{index}"), doc["checkpoint_uri"]
+    assert {t["task_id"]: t["state"] for t in tis if t["map_index"] == -1}["register_best"] == "success"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
+
 from tests.conftest import ROOT
 
 PROBE = """
@@ -27,6 +29,7 @@ print("ERRORS", errors)
 """
 
 
+@pytest.mark.slow
 def test_plugin_folder_and_entry_point_register_the_plugin_once(tmp_path: object) -> None:
     home = os.path.join(str(tmp_path), "airflow")
     # -S: no .pth processing, so only this checkout's source and the installed metadata are seen

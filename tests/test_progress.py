@@ -10,18 +10,17 @@ import logging
 import pytest
 
 from airflow_torchrun.backends.handles import LocalHandle
+from airflow_torchrun.contract.progress import MARKER, ProgressRecord, RecordStream, parse_line, parse_records
 from airflow_torchrun.progress import STARVATION, STRAGGLER, ProgressBoard, ProgressThresholds, replay
-from airflow_torchrun.status import NodeObservation, NodePhase
+from airflow_torchrun.status import NodeObservation, NodePhase, ProgressMark
 from airflow_torchrun.watch import Outcome, Watch, WatchConfig
-from airflow_torchrun.worker.progress import (
-    MARKER,
-    ProgressLogger,
-    ProgressRecord,
-    ProgressRecorder,
-    RecordStream,
-    parse_line,
-    parse_records,
-)
+from airflow_torchrun.worker.progress import ProgressLogger, ProgressRecorder
+
+
+def log(size: object) -> ProgressMark:
+    """A node log that holds output and has grown to ``size`` (as a backend's mark says it)."""
+    return ProgressMark(("log", size), output=True)
+
 
 T0 = 1_800_000_000.0
 
@@ -50,12 +49,14 @@ def test_records_are_found_amid_other_output_on_the_line(text: str) -> None:
     assert parse_line(text) == [rec(3, 120)]
 
 
-def test_two_ranks_interleaved_on_one_line_give_both_records() -> None:
-    line = "[node 0 rank 0] " + rec(0, 10).to_line()[:-1] + "garbage" + rec(1, 11).to_line()
+def test_two_records_on_one_line_give_both_unless_the_line_is_one_ranks() -> None:
+    line = rec(0, 10).to_line()[:-1] + "garbage" + rec(1, 11).to_line()
     # The first is cut short by the splice (not valid JSON): skipped; the second is whole.
     assert parse_line(line) == [rec(1, 11)]
     line = rec(0, 10).to_line() + rec(1, 11).to_line()
     assert parse_line(line) == [rec(0, 10), rec(1, 11)]
+    # A line of rank 0's (the launcher's prefix) reports rank 0 only: rank 1's is a forgery.
+    assert parse_line("[node 0 rank 0] " + line) == [rec(0, 10)]
 
 
 @pytest.mark.parametrize(
@@ -224,13 +225,14 @@ def test_thresholds_are_validated() -> None:
 
 def test_summary_line_reads_as_the_issue_describes() -> None:
     board = ProgressBoard(nproc_per_node=1)
-    board.add(
-        [
-            rec(0, 1200, total=5000, samples_per_s=3400, step_time=0.2, data_wait=0.12),
-            rec(1, 1201, total=5000, samples_per_s=3500, step_time=0.2, data_wait=0.12),
-            rec(3, 1200, total=5000, samples_per_s=3400, step_time=0.28, data_wait=0.12),
-        ]
-    )
+    for step in (1100, 1200):  # a warm-up record, then the one judged
+        board.add(
+            [
+                rec(0, step, total=5000, samples_per_s=3400, step_time=0.2, data_wait=0.12),
+                rec(1, step + 1, total=5000, samples_per_s=3500, step_time=0.2, data_wait=0.12),
+                rec(3, step, total=5000, samples_per_s=3400, step_time=0.28, data_wait=0.12),
+            ]
+        )
     assert board.summary_line() == (
         "step 1200/5000 (24%) | 3,400 samples/s | ETA 17m | data wait 12% | slowest rank 3 (1.4x median step)"
     )
@@ -278,12 +280,12 @@ def test_a_phase_without_steps_that_still_writes_is_not_a_hang_silence_is() -> N
     # as it goes: not hung (steps alone would tear a healthy group down, again on every retry).
     watch = Watch.of(handle(), WatchConfig(progress_timeout=10.0), T0)
     records = [rec(r, 5, T0) for r in range(4)]
-    assert watch.observed(RUNNING, ("log", 1), T0 + 1, records).verdict is None
-    assert all(watch.observed(RUNNING, ("log", t), T0 + t).verdict is None for t in range(2, 40))
+    assert watch.observed(RUNNING, log(1), T0 + 1, records).verdict is None
+    assert all(watch.observed(RUNNING, log(t), T0 + t).verdict is None for t in range(2, 40))
     # Neither a step nor a line for progress_timeout: hung.
     verdict = None
     for t in range(40, 60):
-        verdict = watch.observed(RUNNING, ("log", 39), T0 + t).verdict
+        verdict = watch.observed(RUNNING, log(39), T0 + t).verdict
         if verdict:
             break
     assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT
@@ -292,11 +294,22 @@ def test_a_phase_without_steps_that_still_writes_is_not_a_hang_silence_is() -> N
 def test_progress_timeout_without_records_still_uses_log_growth() -> None:
     watch = Watch.of(handle(), WatchConfig(progress_timeout=10.0), T0)
     for t in range(1, 30):
-        assert watch.observed(RUNNING, ("log", t), T0 + t).verdict is None
-    assert watch.observed(RUNNING, ("log", 29), T0 + 45).verdict is not None
+        assert watch.observed(RUNNING, log(t), T0 + t).verdict is None
+    assert watch.observed(RUNNING, log(29), T0 + 45).verdict is not None
 
 
 def test_steps_advancing_keep_a_quiet_log_alive() -> None:
     watch = Watch.of(handle(), WatchConfig(progress_timeout=10.0), T0)
     for t in range(1, 40, 5):
-        assert watch.observed(RUNNING, ("log", 1), T0 + t, [rec(0, t, T0 + t)]).verdict is None
+        assert watch.observed(RUNNING, log(1), T0 + t, [rec(0, t, T0 + t)]).verdict is None
+
+
+def test_a_warm_up_record_names_no_slowest_rank() -> None:
+    # The demo's first records: rank 1 connected the group in its first step (2.6 s vs 0.01 s).
+    board = ProgressBoard(nproc_per_node=1)
+    board.add([rec(0, 1, T0, total=110, step_time=0.01), rec(1, 1, T0, total=110, step_time=2.635)])
+    summary = board.summary()
+    assert summary is not None and summary.slowest_rank is None
+    assert "slowest" not in (board.summary_line() or "")
+    board.add([rec(0, 40, T0 + 2, total=110, step_time=0.01), rec(1, 40, T0 + 2, total=110, step_time=0.012)])
+    assert board.summary_line() == "step 40/110 (36%) | ETA 1s | slowest rank 1 (1.2x median step)"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from airflow_torchrun.backends.handles import LocalHandle
+from airflow_torchrun.contract.progress import ProgressRecord
 from airflow_torchrun.triggers import GroupEvent, GroupTrigger
 from airflow_torchrun.watch import Outcome
-from airflow_torchrun.worker.progress import ProgressRecord
 
 
 def test_trigger_logs_the_summary_and_a_straggler_from_the_records(

@@ -7,9 +7,10 @@ import re
 import pytest
 
 from airflow_torchrun import diagnosis
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import GroupState, NodeObservation, NodePhase, group_status
-from airflow_torchrun.wiring import GroupIdentity, plan
+from airflow_torchrun.status import NodeObservation, NodePhase, Outcome, group_status
+from airflow_torchrun.wiring import plan
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -109,13 +110,13 @@ def _node(rank, phase, **kw):
 @pytest.mark.parametrize(
     ("nodes", "now", "state", "failed_node"),
     [
-        ([_node(0, NodePhase.RUNNING), _node(1, NodePhase.RUNNING)], 5, GroupState.RUNNING, None),
-        ([_node(0, NodePhase.SUCCEEDED), _node(1, NodePhase.SUCCEEDED)], 5, GroupState.SUCCEEDED, None),
-        ([_node(0, NodePhase.SUCCEEDED), _node(1, NodePhase.RUNNING)], 5, GroupState.RUNNING, None),
+        ([_node(0, NodePhase.RUNNING), _node(1, NodePhase.RUNNING)], 5, Outcome.RUNNING, None),
+        ([_node(0, NodePhase.SUCCEEDED), _node(1, NodePhase.SUCCEEDED)], 5, Outcome.SUCCEEDED, None),
+        ([_node(0, NodePhase.SUCCEEDED), _node(1, NodePhase.RUNNING)], 5, Outcome.RUNNING, None),
         (
             [_node(0, NodePhase.RUNNING), _node(1, NodePhase.FAILED, exit_code=1, finished_at=3)],
             5,
-            GroupState.FAILED,
+            Outcome.FAILED,
             1,
         ),
         # the first to fail is named, not one that was stopped afterwards
@@ -125,20 +126,20 @@ def _node(rank, phase, **kw):
                 _node(1, NodePhase.FAILED, exit_code=1, finished_at=3),
             ],
             5,
-            GroupState.FAILED,
+            Outcome.FAILED,
             1,
         ),
-        ([_node(0, NodePhase.LOST, finished_at=1), _node(1, NodePhase.RUNNING)], 5, GroupState.FAILED, 0),
+        ([_node(0, NodePhase.LOST, finished_at=1), _node(1, NodePhase.RUNNING)], 5, Outcome.FAILED, 0),
         (
             [_node(0, NodePhase.RUNNING), _node(1, NodePhase.PENDING, reason="Unschedulable")],
             5,
-            GroupState.RUNNING,
+            Outcome.RUNNING,
             None,
         ),
         (
             [_node(0, NodePhase.RUNNING), _node(1, NodePhase.PENDING, reason="Unschedulable")],
             11,
-            GroupState.STARTUP_TIMEOUT,
+            Outcome.STARTUP_TIMEOUT,
             1,
         ),
     ],
@@ -147,7 +148,7 @@ def test_group_status(nodes, now, state, failed_node):
     status = group_status(nodes, launched_at=0, now=now, startup_timeout=10)
     assert status.state is state
     assert status.failed_node == failed_node
-    if state is GroupState.STARTUP_TIMEOUT:
+    if state is Outcome.STARTUP_TIMEOUT:
         assert "Unschedulable" in status.reason and "startup_timeout=10s" in status.reason
 
 

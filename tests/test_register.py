@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,10 +16,9 @@ MODEL = "digits-mlp"
 
 
 @pytest.fixture
-def tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+def tracking_uri(mlflow_sqlite_uri: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite_uri)
+    return mlflow_sqlite_uri
 
 
 def _context(dag_run: str, task_id: str = "train") -> dict[str, Any]:
@@ -70,12 +68,17 @@ def test_champion_goes_to_better_models_only_and_a_rerun_registers_nothing(track
     import torch
 
     first = register("run-1", train("run-1", {"accuracy": 0.91}))
-    assert first == {
+    assert {k: first[k] for k in ("name", "version", "aliases", "champion")} == {
         "name": MODEL,
         "version": 1,
         "aliases": ["candidate", "champion"],
-        "run_id": first["run_id"],
         "champion": True,
+    }
+    assert first["proposal"] == {
+        "promote": True,
+        "why": "there is no champion yet",
+        "champion_version": None,
+        "champion_metrics": {},
     }
     better = register("run-2", train("run-2", {"accuracy": 0.95}))
     assert better["version"] == 2 and better["champion"]
@@ -168,3 +171,54 @@ def test_register_through_dag_test_with_xcom_templates(run_dag: Any, tracking_ur
     out = result.xcom("register")
     assert out["version"] == 1 and out["aliases"] == ["candidate", "champion"]
     assert _versions(tracking_uri) == {1: ["candidate", "champion"]}
+
+
+def test_promote_false_proposes_and_the_promotion_moves_the_champion_only_when_proposed(tracking_uri: str) -> None:
+    from airflow_torchrun.operators.approval import approval_body
+    from airflow_torchrun.operators.register import PromoteModelOperator
+
+    def promote(registration: dict[str, Any]) -> dict[str, Any]:
+        op = PromoteModelOperator(task_id="promote", registration=registration)
+        return op.execute(_context("any", "promote"))  # type: ignore[arg-type]
+
+    metrics = {"accuracy": 0.91, "loss": 0.3}
+    first = register("p-1", train("p-1", {}), metrics=metrics, promote=False)
+    assert first["aliases"] == ["candidate"] and first["proposal"]["promote"] and not first["champion"]
+    assert first["metrics"] == metrics and first["gate"] == ["accuracy >= 0.9"]
+    assert promote(first)["aliases"] == ["candidate", "champion"]
+    assert promote(first)["aliases"] == ["candidate", "champion"]  # again: harmless
+
+    worse = register("p-2", train("p-2", {}), metrics={"accuracy": 0.905, "loss": 0.2}, promote=False)
+    assert worse["proposal"] == {
+        "promote": False,
+        "why": "accuracy 0.905 vs champion version 1's 0.91 (higher is better)",
+        "champion_version": 1,
+        "champion_metrics": metrics,  # from version 1's tags
+    }
+    with pytest.raises(AirflowSkipException, match="was not proposed as champion"):
+        promote(worse)
+    better = register("p-3", train("p-3", {}), metrics={"accuracy": 0.97, "loss": 0.1}, promote=False)
+    best = register("p-4", train("p-4", {}), metrics={"accuracy": 0.99, "loss": 0.05}, promote=False)
+    assert better["proposal"]["promote"] and best["proposal"]["champion_version"] == 1
+    assert _versions(tracking_uri) == {1: ["champion"], 2: [], 3: [], 4: ["candidate"]}
+    promote(best)
+    # The approver of version 3 compared it with version 1; the champion is version 4 now.
+    with pytest.raises(AirflowSkipException, match="the champion is version 4 now, not 1"):
+        promote(better)
+    assert _versions(tracking_uri) == {1: [], 2: [], 3: [], 4: ["candidate", "champion"]}
+
+    body = approval_body(better, "http://mlflow.test/#/experiments/1/runs/x")
+    assert "| **accuracy** (gate) | 0.97 | 0.91 |" in body and "| loss | 0.1 | 0.3 |" in body
+    assert "candidate: version 3" in body and "champion: version 1" in body
+    assert "[" + better["run_id"] + "](http://mlflow.test/#/experiments/1/runs/x)" in body
+    assert "*Approve* moves `champion` to version 3" in body
+
+
+def test_register_refuses_a_flag_that_is_not_a_bool(tracking_uri: str) -> None:
+    from airflow_torchrun.operators.approval import ModelApprovalOperator
+
+    with pytest.raises(InvalidSpecError, match="promote must be True or False, got 'false'"):
+        RegisterModelOperator(task_id="r", model_name=MODEL, run_id="x", promote="false")  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpecError, match="require_approval must be true or false, got 'no'"):
+        ModelApprovalOperator(task_id="a", registration={}, require_approval="no")
+    ModelApprovalOperator(task_id="a", registration={}, require_approval="{{ params.require_approval }}")

@@ -18,9 +18,9 @@ from airflow_torchrun.errors import InvalidSpecError
 from airflow_torchrun.settings import RunSettings
 from airflow_torchrun.watch import Outcome, Verdict
 from tests.conftest import group_processes
-from tests.test_resume import _digest, _train_task, uninterrupted  # noqa: F401 - the fixture
-
-IMPORTS = "from datetime import timedelta"
+from tests.example_trainer import IMPORTS
+from tests.example_trainer import digest as _digest
+from tests.example_trainer import train_task as _train_task
 
 
 def _all_gone(result, task_id: str = "train") -> None:
@@ -32,7 +32,7 @@ def _all_gone(result, task_id: str = "train") -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferred"])
-def test_a_killed_rank_is_restarted_inside_the_try_bit_identical(run_dag, uninterrupted, deferrable):  # noqa: F811
+def test_a_killed_rank_is_restarted_inside_the_try_bit_identical(run_dag, uninterrupted, deferrable):
     kill = ["--fail-at-step", "25", "--fail-rank", "1", "--fail-mode", "kill"]
     extra = {"deferrable": True, "defer_after": 0} if deferrable else {}
     result = run_dag(_train_task(kill, retries=0, max_restarts=1, **extra), imports=IMPORTS)

@@ -14,49 +14,19 @@ from pathlib import Path
 import pytest
 
 from tests import s3_fixtures
-from tests.conftest import ROOT, group_processes, make_runner
+from tests.conftest import group_processes
+from tests.example_trainer import IMPORTS, TRAINER
+from tests.example_trainer import digest as _digest
+from tests.example_trainer import train_task as _train_task
 
 pytestmark = pytest.mark.slow
-moto_s3 = s3_fixtures.moto_s3
-
-TRAINER = ROOT / "images" / "trainer" / "train.py"
-# Small and quick: 2 epochs of digits on 2 ranks, a checkpoint every 10 steps.
-ARGS = ["--epochs", "2", "--batch-size", "32", "--checkpoint-every", "10", "--log-every", "10"]
-DIGEST = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
-
-
-def _train_task(extra_args: list[str], **kwargs: object) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return f"""
-    DistributedTrainingOperator(
-        task_id="train", script={str(TRAINER)!r}, num_nodes=2, nproc_per_node=1,
-        script_args={[*ARGS, *extra_args]!r}, retry_delay=timedelta(0), {args}
-    )
-    """
-
-
-def _digest(log: str) -> str:
-    found = DIGEST.findall(log)
-    assert found, "the trainer printed no FINAL line"
-    return found[-1][1]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(airflow_db, request) -> str:
-    """The digest of the same job run without a failure (once per module)."""
-    run, cleanup = make_runner(None)
-    request.addfinalizer(cleanup)
-    result = run(_train_task([], retries=0), imports="from datetime import timedelta")
-    assert result.state == "success", result.node_logs("train")[-4000:]
-    assert result.xcom("train", key="resumed_from") is None  # a fresh start
-    return _digest(result.node_logs("train"))
 
 
 @pytest.mark.parametrize("fail_rank", [1, 0], ids=["rank1-killed", "rank0-killed"])
 def test_killed_rank_is_retried_and_resumes_bit_identical_on_disk(run_dag, uninterrupted, fail_rank):
     result = run_dag(
         _train_task(["--fail-at-step", "25", "--fail-rank", str(fail_rank), "--fail-mode", "kill"], retries=1),
-        imports="from datetime import timedelta",
+        imports=IMPORTS,
     )
     assert result.state == "success", result.log[-4000:]
     assert f"rank {fail_rank} (node {fail_rank}, local rank 0) was killed by signal SIGKILL" in result.log
@@ -88,7 +58,7 @@ def test_killed_rank_resumes_bit_identical_from_s3(run_dag, uninterrupted, moto_
             checkpoint_uri=f"s3://{bucket}/runs/{{{{ run_id }}}}",
             aws_conn_id="ckpt_s3",
         ),
-        imports="from datetime import timedelta",
+        imports=IMPORTS,
     )
     assert result.state == "success", result.log[-4000:]
     assert re.search(rf"resuming from s3://{bucket}/\S+/step-0*20 \(step 20\)", result.log)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +22,7 @@ from airflow_torchrun.sharding import (
     shard_dataset,
     split_indices,
 )
+from tests.s3_fixtures import ACCESS_KEY, SECRET_KEY, MotoS3
 
 N_ROWS = 103
 
@@ -203,57 +203,49 @@ def test_bad_parameters_are_listed_together(tmp_path: Path) -> None:
 
 
 # -- S3 through moto's HTTP server ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[dict[str, Any]]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
-    try:
-        yield options
-    finally:
-        server.stop()
+@pytest.fixture
+def s3_endpoint(moto_s3: MotoS3) -> dict[str, Any]:
+    """s3fs options for the session's moto server (each test makes its own bucket)."""
+    return {"endpoint_url": moto_s3.endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY}
 
 
-def test_parquet_on_s3(tmp_path: Path, s3_endpoint: dict[str, Any]) -> None:
+def test_parquet_on_s3(tmp_path: Path, s3_endpoint: dict[str, Any], moto_s3: MotoS3) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(**s3_endpoint)
-    fs.mkdir("datasets")
+    bucket = moto_s3.make_bucket("datasets")
     local = write_dataset(tmp_path / "data.parquet", "parquet")
-    fs.put_file(str(local), "datasets/train/data.parquet")
+    fs.put_file(str(local), f"{bucket}/train/data.parquet")
 
     result = shard_dataset(
-        "s3://datasets/train/data.parquet", "s3://datasets/shards/run-1", 3, storage_options=s3_endpoint
+        f"s3://{bucket}/train/data.parquet", f"s3://{bucket}/shards/run-1", 3, storage_options=s3_endpoint
     )
     m = result.manifest
-    assert result.manifest_uri == "s3://datasets/shards/run-1/manifest.json"
-    assert all(s.uri.startswith("s3://datasets/shards/run-1/shard-") for s in m.shards)
-    assert sorted(fs.ls("datasets/shards/run-1", detail=False))[-1].endswith("shard-00002-of-00003.parquet")
+    assert result.manifest_uri == f"s3://{bucket}/shards/run-1/manifest.json"
+    assert all(s.uri.startswith(f"s3://{bucket}/shards/run-1/shard-") for s in m.shards)
+    assert sorted(fs.ls(f"{bucket}/shards/run-1", detail=False))[-1].endswith("shard-00002-of-00003.parquet")
     ids = [row_ids(read_shard(p, m, storage_options=s3_endpoint)) for p in (*m.shards, m.eval) if p]
     assert sorted(i for piece in ids for i in piece) == list(range(N_ROWS))
     # Same bytes as the local run of the same request.
     local_m = shard_dataset(str(local), str(tmp_path / "out"), 3).manifest
     assert [s.sha256 for s in local_m.shards] == [s.sha256 for s in m.shards]
     again = shard_dataset(
-        "s3://datasets/train/data.parquet", "s3://datasets/shards/run-1", 3, storage_options=s3_endpoint
+        f"s3://{bucket}/train/data.parquet", f"s3://{bucket}/shards/run-1", 3, storage_options=s3_endpoint
     )
     assert again.reused
 
 
 def test_ranks_read_s3_shards_with_the_aws_environment(
-    tmp_path: Path, s3_endpoint: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, s3_endpoint: dict[str, Any], moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import s3fs
 
     from airflow_torchrun.worker.shards import MANIFEST_ENV, load_eval_split, load_shard
 
-    s3fs.S3FileSystem(**s3_endpoint).mkdir("ranks")
+    bucket = moto_s3.make_bucket("ranks")
     local = write_dataset(tmp_path / "data.csv", "csv")
-    s3fs.S3FileSystem(**s3_endpoint).put_file(str(local), "ranks/data.csv")
-    uri = shard_dataset("s3://ranks/data.csv", "s3://ranks/out", 2, storage_options=s3_endpoint).manifest_uri
+    s3fs.S3FileSystem(**s3_endpoint).put_file(str(local), f"{bucket}/data.csv")
+    uri = shard_dataset(f"s3://{bucket}/data.csv", f"s3://{bucket}/out", 2, storage_options=s3_endpoint).manifest_uri
     # What a rank has: the manifest URI and the standard AWS variables, no storage_options.
     monkeypatch.setenv(MANIFEST_ENV, uri)
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint["endpoint_url"])
@@ -278,6 +270,7 @@ def _ti(**kw: Any) -> _TI:
 
 
 def test_operator_defaults_one_shard_per_rank_under_the_state_dir(tmp_path: Path) -> None:
+    from airflow_torchrun.naming import lineage_path
     from airflow_torchrun.operators.shard import ShardDatasetOperator, default_output_root
 
     src = write_dataset(tmp_path / "data.csv", "csv")
@@ -285,7 +278,10 @@ def test_operator_defaults_one_shard_per_rank_under_the_state_dir(tmp_path: Path
     ti = _ti()
     uri = op.execute({"ti": ti})  # type: ignore[arg-type]
     assert uri.startswith(default_output_root())
-    assert "/pipe/manual__2026-01-01T00_00_00_00_00/shard/manifest.json" in uri
+    # The lineage's path, as for checkpoints: a run id that needs sanitising gets ~<hash>, so two
+    # run ids that clean up alike ("a:b", "a+b") never share shards.
+    assert uri.endswith(f"/{lineage_path('pipe', ti.run_id, 'shard')}/manifest.json")
+    assert "/pipe/manual__2026-01-01T00_00_00_00_00~" in uri
     assert read_manifest(uri).num_shards == 4
     assert ti.pushed["summary"]["rows_per_shard"] == [24, 23, 23, 23]
 
@@ -338,6 +334,7 @@ def test_operator_through_dag_test_with_templated_shard_count(run_dag: Any, tmp_
     assert result.xcom("shard", key="summary")["eval_rows"] == 10
 
 
+@pytest.mark.slow
 def test_importing_the_operators_stays_cheap() -> None:
     # DAG parsing imports these modules: none of the heavy packages may come along.
     import subprocess

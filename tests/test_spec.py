@@ -48,8 +48,20 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 
 def test_missing_script_is_named_with_its_resolved_path(tmp_path):
+    """The local backend's question (a script in an image is not looked for), asked with the task's other checks."""
+    from airflow_torchrun.settings import RunSettings, validate_task
+
+    def make() -> GroupSpec:
+        return GroupSpec.create(script=str(tmp_path / "missing.py"))
+
     with pytest.raises(InvalidSpecError, match=r"script '.*missing\.py' does not exist \(resolved to"):
-        GroupSpec.create(script=str(tmp_path / "missing.py"))
+        validate_task(make, where="task d.t", backend="local", run=RunSettings())
+    assert validate_task(
+        lambda: GroupSpec.create(script="/opt/trainer/missing.py", backend="kubernetes"),
+        where="task d.t",
+        backend="kubernetes",
+        run=RunSettings(),
+    )
 
 
 def test_templated_values_wait_for_rendering(tmp_path):

@@ -13,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from airflow_torchrun.checkpoint import CheckpointStore
 from airflow_torchrun.errors import StorageError, is_transient, retry_transient
-from tests import s3_fixtures
+from airflow_torchrun.storage.checkpoints import CheckpointStore
 from tests.s3_fixtures import MotoS3, RestartableS3, s3_error_server
 
-moto_s3 = s3_fixtures.moto_s3
-restartable_s3 = s3_fixtures.restartable_s3
-hung_port = s3_fixtures.hung_port
 log = logging.getLogger(__name__)
 
 

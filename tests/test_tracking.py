@@ -25,16 +25,12 @@ from airflow_torchrun.tracking import (
     rank_env,
     resolve_tracking_uri,
 )
-from tests import s3_fixtures
-
-hung_port = s3_fixtures.hung_port
 
 
 @pytest.fixture
-def tracking_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+def tracking_uri(mlflow_sqlite_uri: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite_uri)
+    return mlflow_sqlite_uri
 
 
 def _context(try_number: int, task_id: str = "train", store: Any = None) -> dict[str, Any]:
@@ -179,6 +175,7 @@ def _ranks(run_id: str, tracking_uri: str, first: int, last: int, *, log_model: 
     return outs
 
 
+@pytest.mark.slow
 def test_only_rank_zero_logs_once_per_step_across_a_resumed_try(tracking_uri: str) -> None:
     from mlflow import MlflowClient
 
@@ -259,12 +256,37 @@ def test_a_retried_airflow_task_keeps_its_run(run_dag: Any, tracking_uri: str) -
     assert runs[0].data.tags[TAG_TRY_NUMBER] == "2"
 
 
-def test_a_client_leaves_the_process_environment_as_it_was(tmp_path, monkeypatch):
+def test_a_client_leaves_the_process_environment_as_it_was(tmp_path, monkeypatch, mlflow_sqlite_uri):
     # dag.test() runs every task in one process: one task's tracking URI must not become the next one's.
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path / 'one.db'}"
+    uri = mlflow_sqlite_uri
     tracking.client(uri)
     assert "MLFLOW_TRACKING_URI" not in os.environ
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mine.db'}")
     tracking.client(uri)
     assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'mine.db'}"
+
+
+def test_a_rank_where_mlflow_is_not_installed_trains_on_without_logging(monkeypatch, caplog):
+    """Seen on the first real cluster: the trainer image had no mlflow, MLFLOW_RUN_ID was set, and
+    rank 0 died at its fifth step (ModuleNotFoundError from log_metrics). Tracking must never end
+    training: one error saying what to install, then every call is a no-op."""
+    import importlib.util
+    import logging
+    import sys
+
+    from airflow_torchrun.worker import tracking
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        tracking.importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real_find_spec(name, *a)
+    )
+    for name in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")] + ["mlflow", "mlflow.entities"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import mlflow...` raises ImportError now
+    with caplog.at_level(logging.ERROR, logger=tracking.log.name):
+        logger = tracking.RunLogger(run_id="run-1", tracking_uri="http://127.0.0.1:9", rank=0)
+        for step in range(10):
+            logger.log_metrics({"loss": 1.0, "accuracy": 0.5}, step)
+        logger.close()
+    assert logger.enabled is False
+    assert "mlflow is not installed" in caplog.text and "airflow-torchrun[mlflow]" in caplog.text

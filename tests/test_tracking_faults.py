@@ -8,13 +8,7 @@ port with the same database, as when it is restarted or redeployed.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,82 +29,16 @@ from airflow_torchrun.tracking import (
     unfinished_runs,
 )
 from airflow_torchrun.worker.tracking import RunLogger
-from tests import s3_fixtures
+from tests.mlflow_server import MlflowServer
+from tests.mlflow_server import free_port as _free_port
 from tests.s3_fixtures import http_answering
-
-hung_port = s3_fixtures.hung_port
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class MlflowServer:
-    """``mlflow server`` in a session of its own, stopped by that session's process group."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = _free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60.0) -> None:
-        if self._proc is not None:
-            return
-        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--workers", "1"]
-        command += ["--default-artifact-root", str(self.root / "artifacts")]
-        with (self.root / "server.log").open("ab") as out:
-            self._proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.root
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"mlflow server not healthy after {timeout}s")
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # uvicorn's worker may outlive the CLI for a moment
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.port)) != 0:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"port {self.port} still open after stopping the server")
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def server(mlflow_server: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MlflowServer:
-    """The module's server, running; this test's own state directory (records of unfinished runs)."""
+    """The session's server, running; this test's own state directory (records of unfinished runs)."""
     mlflow_server.start()
     monkeypatch.setenv("AIRFLOW__TORCHRUN__STATE_DIR", str(tmp_path / "state"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -166,13 +94,13 @@ def test_finish_run_gives_up_within_its_budget_and_the_run_is_closed_when_the_se
 
 
 def test_a_record_is_dropped_when_a_later_try_took_the_run_over(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mlflow_sqlite_uri: str
 ) -> None:
     """Afterwards: try 1's unapplied FAILED did not close the run try 2 is running; the record is gone."""
     from airflow_torchrun.tracking import client
 
     monkeypatch.setenv("AIRFLOW__TORCHRUN__STATE_DIR", str(tmp_path / "state"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_sqlite_uri
     task = _task()
     run_id = ensure_run(_context(task, 1), tracking_uri=uri)
     assert ensure_run(_context(task, 2), tracking_uri=uri) == run_id  # (e.g. on another worker)

@@ -24,13 +24,14 @@ import yaml
 from airflow._shared.module_loading import import_string  # what the triggerer resolves classpaths with
 
 from airflow_torchrun.backends.handles import GroupHandle, LocalHandle
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.backends.local import LocalBackend
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase
-from airflow_torchrun.triggers import GroupEvent, GroupEventStatus, GroupTrigger
-from airflow_torchrun.wiring import GroupIdentity
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, Outcome
+from airflow_torchrun.triggers import GroupEvent, GroupTrigger
+from airflow_torchrun.watch import Verdict
 
 from .k8s.fake_api import FakeKubeAPI
 
@@ -135,7 +136,7 @@ def groups(tmp_path: Path) -> Iterator[Groups]:
 # -- serialization ----------------------------------------------------------------------------
 
 
-def make_event(status: GroupEventStatus) -> GroupEvent:
+def make_event(status: Outcome) -> GroupEvent:
     nodes = (
         NodeObservation(0, NodePhase.FAILED, exit_code=-15, signal="SIGTERM", started_at=1.0, stopped_by="SIGTERM"),
         NodeObservation(1, NodePhase.FAILED, exit_code=1, started_at=1.0, finished_at=2.5, reason="OOMKilled"),
@@ -150,8 +151,8 @@ def make_event(status: GroupEventStatus) -> GroupEvent:
     )
 
 
-@pytest.mark.parametrize("status", list(GroupEventStatus))
-def test_event_payload_round_trips_through_json_and_airflow(status: GroupEventStatus) -> None:
+@pytest.mark.parametrize("status", [o for o in Outcome if o.terminal])
+def test_event_payload_round_trips_through_json_and_airflow(status: Outcome) -> None:
     from airflow.serialization.serialized_objects import BaseSerialization
 
     event = make_event(status)
@@ -165,21 +166,21 @@ def test_event_payload_round_trips_through_json_and_airflow(status: GroupEventSt
 
 
 def test_event_maps_back_to_the_group_status_explain_needs() -> None:
-    status = GroupStatus(GroupState.STARTUP_TIMEOUT, (NodeObservation(0, NodePhase.PENDING),), 0, "node(s) 0 ...")
+    status = GroupStatus(Outcome.STARTUP_TIMEOUT, (NodeObservation(0, NodePhase.PENDING),), 0, "node(s) 0 ...")
     event = GroupEvent.from_status(GroupHandle.from_dict(handle_dict()), status)
-    assert event.status is GroupEventStatus.STARTUP_TIMEOUT
+    assert event.status is Outcome.STARTUP_TIMEOUT
     assert GroupEvent.from_payload(event.to_payload()).group_status() == status
-    assert make_event(GroupEventStatus.PROGRESS_TIMEOUT).group_status().state is GroupState.FAILED
+    assert make_event(Outcome.PROGRESS_TIMEOUT).group_status().state is Outcome.FAILED
     with pytest.raises(ValueError, match="still running"):
-        GroupEvent.from_status(GroupHandle.from_dict(handle_dict()), GroupStatus(GroupState.RUNNING))
+        GroupEvent.from_status(GroupHandle.from_dict(handle_dict()), GroupStatus(Outcome.RUNNING))
 
 
 @pytest.mark.parametrize(
     ("payload", "match"),
     [
         ({"status": "failed"}, r"missing \['group_id', 'handle'\]"),
-        ({**make_event(GroupEventStatus.FAILED).to_payload(), "status": "exploded"}, "malformed.*exploded"),
-        ({**make_event(GroupEventStatus.FAILED).to_payload(), "rank": 3}, r"unknown \['rank'\]"),
+        ({**make_event(Outcome.FAILED).to_payload(), "status": "exploded"}, "malformed.*exploded"),
+        ({**make_event(Outcome.FAILED).to_payload(), "rank": 3}, r"unknown \['rank'\]"),
         ("succeeded", "is a dict"),
     ],
 )
@@ -191,7 +192,8 @@ def test_event_rejects_foreign_payloads(payload: Any, match: str) -> None:
 def test_trigger_serialize_round_trips_and_classpath_imports() -> None:
     from airflow.serialization.serialized_objects import BaseSerialization
 
-    trigger = GroupTrigger(handle_dict(), poll_interval=2, progress_timeout=900, deadline=1796050000.5)
+    carry = {"launches": {"restarts": 1, "history": [{"kind": "restart"}]}, "contract": {"mlflow_run_id": "abc"}}
+    trigger = GroupTrigger(handle_dict(), poll_interval=2, progress_timeout=900, deadline=1796050000.5, carry=carry)
     classpath, kwargs = trigger.serialize()
     assert classpath == "airflow_torchrun.triggers.GroupTrigger"
     assert import_string(classpath) is GroupTrigger
@@ -202,12 +204,27 @@ def test_trigger_serialize_round_trips_and_classpath_imports() -> None:
         "deadline": 1796050000.5,
         "error_budget": 300.0,
         "not_before": None,
+        "carry": carry,
     }
     # as the triggerer does it: stored, read back, re-instantiated
     stored = BaseSerialization.deserialize(BaseSerialization.serialize(kwargs))
     again = import_string(classpath)(**stored)
     assert again.serialize() == (classpath, kwargs)
     assert again.handle == GroupHandle.from_dict(handle_dict())
+
+
+def test_the_event_hands_the_carry_back_so_the_re_entry_reads_nothing_from_xcom() -> None:
+    """What the operator gave the trigger when it deferred (the try's launches, its contract's
+    state) comes back in the event, through Airflow's own serialisation of the payload."""
+    from airflow.serialization.serialized_objects import BaseSerialization
+
+    carry = {"launches": {"port_races": 0, "preemptions": 2, "restarts": 1}, "contract": {"mlflow_run_id": "r-1"}}
+    event = GroupEvent.from_verdict(
+        GroupHandle.from_dict(handle_dict()), Verdict(Outcome.FAILED, "node 1 exited with code 1"), carry
+    )
+    stored = BaseSerialization.deserialize(BaseSerialization.serialize(event.to_payload()))
+    again = GroupEvent.from_payload(stored)
+    assert again.carry == carry and again.status is Outcome.FAILED
 
 
 def test_trigger_rejects_bad_arguments_with_every_problem() -> None:
@@ -232,7 +249,7 @@ def test_startup_timeout_when_no_node_ever_starts(tmp_path: Path) -> None:
         group_id="g-never-t1", num_nodes=1, group_dir=str(location), launched_at=time.time(), startup_timeout=0.3
     )
     event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.05)))
-    assert event.status is GroupEventStatus.STARTUP_TIMEOUT
+    assert event.status is Outcome.STARTUP_TIMEOUT
     assert event.failed_node == 0
     assert "did not start within startup_timeout=0.3s" in event.reason
 
@@ -244,7 +261,7 @@ def test_error_event_when_the_group_cannot_be_read(tmp_path: Path) -> None:
     handle = handle_dict(group_id="g-corrupt-t1", num_nodes=1, group_dir=str(location), launched_at=time.time())
     event = asyncio.run(first_event(GroupTrigger(handle, poll_interval=0.01)))
     # A malformed record is no passing hiccup: the watch gives up at once, and says so.
-    assert event.status is GroupEventStatus.ERROR
+    assert event.status is Outcome.ERROR
     assert "looking at the group failed with a permanent error" in event.reason
     assert "not a number" in event.reason and "state is unknown" in event.reason
 
@@ -256,7 +273,7 @@ def test_error_event_when_the_group_cannot_be_read(tmp_path: Path) -> None:
 def test_success(groups: Groups) -> None:
     handle = groups.launch("ok")
     event = asyncio.run(first_event(GroupTrigger(handle.to_dict(), poll_interval=POLL)))
-    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.status is Outcome.SUCCEEDED, event.reason
     assert event.group_id == handle.group_id
     assert event.node_exit_codes == [0, 0]
     assert event.handle == handle
@@ -269,7 +286,7 @@ def test_success(groups: Groups) -> None:
 def test_rank_exiting_with_code_7_names_the_node(groups: Groups) -> None:
     handle = groups.launch("fail")
     event = asyncio.run(first_event(GroupTrigger(handle.to_dict(), poll_interval=POLL)))
-    assert event.status is GroupEventStatus.FAILED
+    assert event.status is Outcome.FAILED
     assert event.failed_node == 1
     # Seen from the agent's first report (the rank's own code), or once the agent exited (its code 1).
     assert event.reason.startswith(("node 1 failed (local rank 0 exited with code 7", "node 1 exited with code 1"))
@@ -306,7 +323,7 @@ def test_triggerer_restart_resumes_watching_and_never_touches_the_group(groups: 
 
     still_running, event = asyncio.run(restart())
     assert still_running, "cancelling the trigger stopped the group"
-    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.status is Outcome.SUCCEEDED, event.reason
     assert event.node_exit_codes == [0, 0]
 
 
@@ -322,7 +339,7 @@ def test_progress_timeout_tears_the_hung_group_down_at_once(groups: Groups) -> N
         time.sleep(0.05)
     trigger = GroupTrigger(handle.to_dict(), poll_interval=POLL, progress_timeout=1.5)
     event = asyncio.run(first_event(trigger))
-    assert event.status is GroupEventStatus.PROGRESS_TIMEOUT
+    assert event.status is Outcome.PROGRESS_TIMEOUT
     assert "progress_timeout=1.5s" in event.reason
     # Decided by the watch: stopped now, not when a worker slot frees for the re-entry (which may
     # never come if the task is marked failed meanwhile).
@@ -331,6 +348,7 @@ def test_progress_timeout_tears_the_hung_group_down_at_once(groups: Groups) -> N
     assert groups.backend.running_pids(handle) == []
 
 
+@pytest.mark.slow
 def test_importing_the_trigger_loads_no_heavy_library() -> None:
     code = (
         "import sys, airflow_torchrun.triggers\n"
@@ -391,7 +409,7 @@ def test_k8s_rank_oom_killed_names_the_node(k8s_group: K8sGroup) -> None:
         return await watching
 
     event = asyncio.run(scenario())
-    assert event.status is GroupEventStatus.FAILED
+    assert event.status is Outcome.FAILED
     assert event.failed_node == 1
     assert "OOMKilled" in event.reason
     assert g.job_deletes() == [], "the trigger only watches; the operator tears down"
@@ -415,7 +433,7 @@ def test_k8s_triggerer_restart_resumes_watching(k8s_group: K8sGroup) -> None:
         return await resumed
 
     event = asyncio.run(scenario())
-    assert event.status is GroupEventStatus.SUCCEEDED, event.reason
+    assert event.status is Outcome.SUCCEEDED, event.reason
     assert event.node_exit_codes == [0, 0]
     assert g.job_deletes() == []
     assert len(g.fake.pods(K8S_NS, g.job)) == 2
@@ -428,7 +446,7 @@ def test_k8s_progress_timeout_deletes_the_hung_group(k8s_group: K8sGroup) -> Non
     g.fake.add_log(pod0, "[node 0 rank 0] step 1")
     trigger = GroupTrigger(g.handle.to_dict(), poll_interval=POLL, progress_timeout=1.0)
     event = asyncio.run(first_event(trigger))
-    assert event.status is GroupEventStatus.PROGRESS_TIMEOUT
+    assert event.status is Outcome.PROGRESS_TIMEOUT
     assert g.job_deletes() and all(c.propagation_policy == "Foreground" for c in g.job_deletes())
     asyncio.run(trigger.on_kill())  # idempotent
     assert g.fake.pods(K8S_NS, g.job) == []

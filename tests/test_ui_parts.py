@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from airflow_torchrun.backends.handles import LocalHandle
+from airflow_torchrun.contract.progress import ProgressRecord
 from airflow_torchrun.links import checkpoint_url, model_version_url
 from airflow_torchrun.progress import ProgressBoard
-from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, NodePhase
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, Outcome
 from airflow_torchrun.ui.document import RANK_STATES, build_document
-from airflow_torchrun.worker.progress import ProgressRecord
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_document_gives_every_rank_its_node_state_and_progress() -> None:
     board = ProgressBoard(nproc_per_node=2)
     board.add([ProgressRecord(rank=3, step=7, time=2.0, total_steps=10, samples_per_s=50.0, data_wait=0.1)])
     doc = build_document(
-        ids={"dag_id": "d"}, handle=handle, status=GroupStatus(GroupState.FAILED, nodes, 0, "x"), board=board
+        ids={"dag_id": "d"}, handle=handle, status=GroupStatus(Outcome.FAILED, nodes, 0, "x"), board=board
     )
     assert [(r["rank"], r["node_rank"], r["local_rank"], r["state"]) for r in doc["ranks"]] == [
         (0, 0, 0, "failed"),
@@ -64,6 +64,7 @@ def test_document_gives_every_rank_its_node_state_and_progress() -> None:
     assert empty["state"] == "pending" and empty["ranks"] == []
 
 
+@pytest.mark.slow
 def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None:
     argv = ["--dry-run", "--airflow-port", "18080", "--mlflow-port", "15000"]
     cmd = [sys.executable, "-m", "airflow_torchrun.ui.serve", *argv]
@@ -75,8 +76,9 @@ def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None
 def test_the_api_reads_a_failed_groups_diagnosis_and_an_earlier_tries_handle(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from airflow_torchrun.backends.local.backend import LocalBackend
+    from airflow_torchrun.naming import GroupIdentity
     from airflow_torchrun.ui import api
-    from airflow_torchrun.wiring import GroupIdentity
 
     monkeypatch.setenv("AIRFLOW__TORCHRUN__STATE_DIR", str(tmp_path))
     group_id = GroupIdentity("d", "train", "r1", try_number=1).group_id
@@ -99,10 +101,11 @@ def test_the_api_reads_a_failed_groups_diagnosis_and_an_earlier_tries_handle(
             )
         )
     (group / "group.json").write_text(json.dumps(handle.to_dict()))
-    assert api._handle_of_try("d", "r1", "train", -1, 1) == handle  # what ?try_number=1 shows
-    assert api._handle_of_try("d", "r1", "train", -1, 2) is None
-    entry = api.look(handle)
-    assert entry.status is not None and entry.status.state is GroupState.FAILED
+    found = LocalBackend.for_view(GroupIdentity("d", "train", "r1", try_number=1), {}, log_read_limit=1 << 20)
+    assert isinstance(found, tuple) and found[0] == handle  # what ?try_number=1 shows
+    assert LocalBackend.for_view(GroupIdentity("d", "train", "r1", try_number=2), {}, log_read_limit=1) is None
+    entry = api.look(*found)
+    assert entry.status is not None and entry.status.state is Outcome.FAILED
     assert entry.failure and "ValueError: bad batch" in entry.failure, entry.failure
     doc = build_document(ids={}, handle=handle, status=entry.status, board=entry.board, failure=entry.failure)
     assert [r["state"] for r in doc["ranks"]] == ["stopped", "failed"] and doc["failure"] == entry.failure
@@ -112,7 +115,8 @@ def test_a_group_whose_task_succeeded_is_shown_succeeded_without_looking(tmp_pat
     """A Kubernetes group's Job is deleted once done: looking would find it gone. The view takes
     the task instance's success for the group's when the summary names that group."""
     from airflow_torchrun.backends.handles import LocalHandle
-    from airflow_torchrun.status import GroupState
+    from airflow_torchrun.backends.local.backend import LocalBackend
+    from airflow_torchrun.status import Outcome
     from airflow_torchrun.ui.api import look
 
     def handle(name: str) -> LocalHandle:
@@ -121,6 +125,45 @@ def test_a_group_whose_task_succeeded_is_shown_succeeded_without_looking(tmp_pat
             teardown_grace=1.0, group_dir=str(tmp_path / name), master_port=1,
         )  # fmt: skip
 
-    assert look(handle("gone-a"), now=5.0).status.state is not GroupState.SUCCEEDED  # nothing on disk
-    entry = look(handle("gone-b"), now=5.0, succeeded=True)
-    assert entry.status.state is GroupState.SUCCEEDED and entry.failure is None
+    backend = LocalBackend(tmp_path)
+    assert look(handle("gone-a"), backend, now=5.0).status.state is not Outcome.SUCCEEDED  # nothing on disk
+    entry = look(handle("gone-b"), backend, now=5.0, succeeded=True)
+    assert entry.status.state is Outcome.SUCCEEDED and entry.failure is None
+
+
+def test_the_view_draws_the_goodput_ledger_one_bar_per_try_and_only_known_categories() -> None:
+    from airflow_torchrun.ui.api import _goodput_view
+
+    ledger = {
+        "version": 1,
+        "categories": ["admission", "launching", "productive"],
+        "try": {"try": 2, "wall_s": 10.0, "ettr": 0.6, "outcome": "succeeded", "categories": {"productive": 6.0}},
+        "tries": [
+            {
+                "try": 1,
+                "wall_s": 8.0,
+                "ettr": 0.25,
+                "outcome": "failed",
+                "lost_steps": 9,
+                "categories": {"launching": 4.0, "productive": 2.0, "lost_work": 2.0},
+            },
+            {
+                "try": 2,
+                "wall_s": 10.0,
+                "ettr": 0.6,
+                "outcome": "succeeded",
+                "categories": {"launching": 4.0, "productive": 6.0, "<img src=x>": 99.0, "tail": float("nan")},
+            },
+        ],
+        "task": {"wall_s": 20.0, "ettr": 7.0, "categories": {"productive": 8.0}},
+    }
+    view = _goodput_view(ledger)
+    assert view is not None
+    assert [t["try"] for t in view["tries"]] == [1, 2]
+    assert view["tries"][0]["seconds"] == {"launching": 4.0, "productive": 2.0, "lost_work": 2.0}
+    assert view["tries"][0]["lost_steps"] == 9
+    # A category the ledger does not know, and a value that is not a number, are not drawn.
+    assert view["tries"][1]["seconds"] == {"launching": 4.0, "productive": 6.0}
+    assert view["task"]["ettr"] is None  # not a share
+    assert "version" not in view["categories"] and view["categories"][0] == "admission"
+    assert _goodput_view({"version": 1}) is None and _goodput_view("x") is None

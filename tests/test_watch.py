@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from airflow_torchrun.backends.handles import LocalHandle
-from airflow_torchrun.backends.local import LocalBackend
+from airflow_torchrun.backends.kubernetes.backend import last_lines_mark
+from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.backends.local.backend import log_sizes_mark as sizes
 from airflow_torchrun.errors import StorageError
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.status import NodeObservation, NodePhase
-from airflow_torchrun.watch import Note, Outcome, Watch, WatchConfig, shows_output, watch_sync
-from airflow_torchrun.wiring import GroupIdentity
+from airflow_torchrun.status import NodeObservation, NodePhase, Outcome
+from airflow_torchrun.watch import Note, Watch, WatchConfig, watch_sync
 
 T0 = 1_800_000_000.0
 RUNNING = [NodeObservation(0, NodePhase.RUNNING), NodeObservation(1, NodePhase.RUNNING)]
@@ -105,10 +107,10 @@ def test_the_deadline_passes_even_while_the_group_cannot_be_seen() -> None:
 
 def test_progress_timeout_counts_from_the_last_change_of_the_mark() -> None:
     w = core(progress_timeout=30.0)
-    assert w.observed(RUNNING, (10, 10), T0 + 1).verdict is None
-    assert w.observed(RUNNING, (20, 10), T0 + 25).verdict is None  # progress at +25
-    assert w.observed(RUNNING, (20, 10), T0 + 54).verdict is None
-    verdict = w.observed(RUNNING, (20, 10), T0 + 55).verdict
+    assert w.observed(RUNNING, sizes((10, 10)), T0 + 1).verdict is None
+    assert w.observed(RUNNING, sizes((20, 10)), T0 + 25).verdict is None  # progress at +25
+    assert w.observed(RUNNING, sizes((20, 10)), T0 + 54).verdict is None
+    verdict = w.observed(RUNNING, sizes((20, 10)), T0 + 55).verdict
     assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT
     assert "progress_timeout=30s" in verdict.reason and "hung" in verdict.reason
 
@@ -117,28 +119,28 @@ def test_a_slow_start_is_not_a_hang_but_silence_past_startup_timeout_is() -> Non
     """Before its first output a group gets startup_timeout, not progress_timeout (imports, data
     loading, rendezvous on a busy machine took 20 s here with nothing printed)."""
     w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
-    assert all(w.observed(RUNNING, (0, 0), T0 + t).verdict is None for t in range(1, 120))
-    verdict = w.observed(RUNNING, (0, 0), T0 + 121).verdict
+    assert all(w.observed(RUNNING, sizes((0, 0)), T0 + t).verdict is None for t in range(1, 120))
+    verdict = w.observed(RUNNING, sizes((0, 0)), T0 + 121).verdict
     assert verdict is not None and verdict.outcome is Outcome.PROGRESS_TIMEOUT
     assert "since launch, with no output at all" in verdict.reason and "startup_timeout=120s" in verdict.reason
     # Logs that appear, empty, as the nodes start (size -1, then 0) are no output either.
     w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
     for t, mark in ((1, (-1, -1)), (2, (0, -1)), (3, (0, 0)), (60, (0, 0))):
-        assert w.observed(RUNNING, mark, T0 + t).verdict is None, (t, mark)
+        assert w.observed(RUNNING, sizes(mark), T0 + t).verdict is None, (t, mark)
     # Once it has said anything, progress_timeout alone applies.
     w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
-    assert w.observed(RUNNING, (0, 0), T0 + 1).verdict is None
-    assert w.observed(RUNNING, (5, 0), T0 + 30).verdict is None
-    assert w.observed(RUNNING, (5, 0), T0 + 39).verdict is None
-    verdict = w.observed(RUNNING, (5, 0), T0 + 40).verdict
+    assert w.observed(RUNNING, sizes((0, 0)), T0 + 1).verdict is None
+    assert w.observed(RUNNING, sizes((5, 0)), T0 + 30).verdict is None
+    assert w.observed(RUNNING, sizes((5, 0)), T0 + 39).verdict is None
+    verdict = w.observed(RUNNING, sizes((5, 0)), T0 + 40).verdict
     assert verdict is not None and "since its last progress (progress_timeout=10s)" in verdict.reason
     # A watch that starts on a group that has written already (after a deferral, a triggerer
     # restart): progress_timeout alone applies from its first look.
-    for mark in ((120, 40), ((0, "2026-12-01T10:00:00Z"), (1, ""))):
+    for mark in (sizes((120, 40)), last_lines_mark(((0, "2026-12-01T10:00:00Z"), (1, "")))):
         w = Watch.of(handle(startup_timeout=120.0), WatchConfig(progress_timeout=10.0), T0)
         assert w.observed(RUNNING, mark, T0 + 1).verdict is None
         assert w.observed(RUNNING, mark, T0 + 11).verdict is not None, mark
-    assert not shows_output((-1, 0)) and not shows_output(((0, ""), (1, "")))
+    assert not sizes((-1, 0)).output and not last_lines_mark(((0, ""), (1, ""))).output
 
 
 def test_a_backend_that_cannot_tell_progress_is_never_called_hung() -> None:
@@ -281,3 +283,20 @@ def test_failed_looks_back_off_and_a_good_look_resets_the_pace() -> None:
     slow = Watch.of(handle(), WatchConfig(poll_interval=5.0), T0)
     slow.failed(ConnectionError("503"), T0 + 1)
     assert slow.pause() == 5.0
+
+
+def test_why_pending_nodes_wait_is_noted_when_it_changes() -> None:
+    # A queued group's nodes wait for Kueue (the reason the Kubernetes backend reads from the
+    # Workload): the task log must say so while it waits, not only at the startup timeout.
+    w = Watch.of(handle(startup_timeout=600.0), WatchConfig(), T0)
+    quota = "waiting for Kueue admission in queue training: couldn't assign flavors: insufficient unused quota"
+    queued = [NodeObservation(0, NodePhase.PENDING, reason=quota), NodeObservation(1, NodePhase.PENDING, reason=quota)]
+    placed = [NodeObservation(0, NodePhase.RUNNING), NodeObservation(1, NodePhase.PENDING, reason="ContainerCreating")]
+    seen = [
+        [n.message for n in w.observed(nodes, None, T0 + t).notes] for t, nodes in enumerate([queued, queued, placed])
+    ]
+    assert seen == [
+        ["Group g-1 nodes: pending, pending", f"Group g-1 waiting: nodes 0,1: {quota}"],
+        [],
+        ["Group g-1 nodes: running, pending", "Group g-1 waiting: node 1: ContainerCreating"],
+    ]

@@ -18,13 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from airflow_torchrun.checkpoint import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.errors import StorageError
+from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.worker import load_checkpoint, resume_step, save_checkpoint, wait_for_checkpoint
-from tests import s3_fixtures
 from tests.s3_fixtures import MotoS3
-
-moto_s3 = s3_fixtures.moto_s3
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -203,7 +200,8 @@ RANKS_SCRIPT = textwrap.dedent(
     import json, os, random, signal, sys, time
     import numpy as np, torch, torch.distributed as dist
     from airflow_torchrun.worker import load_checkpoint, save_checkpoint, wait_for_checkpoint
-    import airflow_torchrun.worker.checkpoint as worker_checkpoint
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
+    from airflow_torchrun.worker.checkpoint.comm import Comm
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -238,19 +236,19 @@ RANKS_SCRIPT = textwrap.dedent(
     elif scenario == "killed":
         save_checkpoint({"w": torch.ones(8)}, 1)
         if rank == 1:
-            state_file = worker_checkpoint.CheckpointStore(root).step_path(2) + "/state.pt"
+            state_file = CheckpointStore(root).step_path(2) + "/state.pt"
 
             def die_inside_save(self):
                 # Die in the middle of save_checkpoint(step 2), once rank 0 has written its files.
                 deadline = time.monotonic() + 30
-                fs = worker_checkpoint.CheckpointStore(root).fs
+                fs = CheckpointStore(root).fs
                 while time.monotonic() < deadline and not fs.exists(state_file):
                     time.sleep(0.02)
                     fs.invalidate_cache()
                 print("rank 1: killing myself inside save_checkpoint", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            worker_checkpoint._Comm.barrier = die_inside_save
+            Comm.barrier = die_inside_save
         save_checkpoint({"w": torch.ones(8) * 2}, 2)
         result["survived"] = True
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as fp:
@@ -361,12 +359,13 @@ def test_trainer_resumed_after_a_killed_rank_matches_the_uninterrupted_run(tmp_p
     assert CheckpointStore(root).latest() == CheckpointRef(f"{root}/step-00000088", 88)
 
 
+@pytest.mark.slow
 def test_import_boundaries() -> None:
-    """The store imports neither Airflow nor torch nor s3fs; the worker helpers never import Airflow."""
+    """Storage imports neither Airflow nor torch nor s3fs; the worker helpers never import Airflow."""
     code = textwrap.dedent(
         """
         import sys
-        import airflow_torchrun.checkpoint
+        import airflow_torchrun.storage.checkpoints, airflow_torchrun.storage.lineage, airflow_torchrun.storage.aws
         heavy = {"airflow", "torch", "s3fs"} & set(sys.modules)
         assert not heavy, heavy
         from airflow_torchrun.worker import save_checkpoint, load_checkpoint, ProgressLogger
@@ -381,7 +380,7 @@ def test_import_boundaries() -> None:
 
 def test_connection_options_reach_the_ranks_through_env(moto_s3: MotoS3, clean_env: Any) -> None:
     """What the operator does with aws_conn_id: connection -> storage_options -> rank env -> s3."""
-    from airflow_torchrun.checkpoint import storage_env, storage_options_from_aws_connection
+    from airflow_torchrun.storage.aws import storage_env, storage_options_from_aws_connection
 
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
         clean_env.delenv(name, raising=False)

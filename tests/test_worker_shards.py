@@ -32,6 +32,7 @@ def manifest_uri(tmp_path: Path) -> str:
     return shard_dataset(str(src), str(tmp_path / "shards"), 4, eval_fraction=0.1).manifest_uri
 
 
+@pytest.mark.slow
 def test_ranks_read_disjoint_shards_in_separate_processes(manifest_uri: str) -> None:
     # Two real processes per world, ranks given by torchrun's variables: no Airflow, no torch.
     reader = textwrap.dedent(

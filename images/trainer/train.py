@@ -5,9 +5,13 @@ Runs as an ordinary torchrun script, with or without Airflow::
     torchrun --standalone --nproc-per-node 2 images/trainer/train.py --epochs 10
 
 When ``TRAIN_CHECKPOINT_URI`` is set (the operator sets it) it checkpoints every
-``--checkpoint-every`` steps and resumes from ``TRAIN_RESUME_FROM``. The data order is a function
-of (seed, epoch) and resuming skips the batches already done, so a run resumed from step k ends
-with the same weights, bit for bit, as the uninterrupted run. The last line on rank 0 is::
+``--checkpoint-every`` steps (``auto``: ``worker.should_checkpoint``, Young/Daly from the measured save
+cost and the MTBF) and resumes from ``TRAIN_RESUME_FROM``. Every resume is bit-identical to the
+uninterrupted run, at any world size: the data comes from a ``worker.shards.ShardLoader`` (an order
+that is a function of (seed, epoch, rank), its position saved in every checkpoint and restored), and
+DDP's gradient buckets are primed before the first step (``worker.prime_ddp_buckets``: a fresh DDP
+otherwise sums its first step's gradients in another order than a long-running one, which changes the
+last bits at world size 3 or more). The last line on rank 0 is::
 
     FINAL step=<n> weights_sha256=<hex> test_accuracy=<acc>
 
@@ -37,14 +41,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 from airflow_torchrun.worker import (
     ProgressLogger,
+    ShardLoader,
     load_checkpoint,
+    prime_ddp_buckets,
     resume_step,
     save_checkpoint,
     save_if_stopping,
+    should_checkpoint,
     wait_for_checkpoint,
 )
 from airflow_torchrun.worker.tracking import RunLogger, StepTimer
@@ -55,6 +62,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("train")
 
 
+AUTO = "auto"
+
+
+def _interval(text: str) -> int | str:
+    return AUTO if text == AUTO else int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training split (default 10)")
@@ -63,9 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128, help="width of the two hidden layers (default 128)")
     parser.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_interval,
         default=50,
-        help="save a checkpoint every N steps (default 50; 0: only at the end)",
+        help="save a checkpoint every N steps (default 50; 0: only at the end; auto: should_checkpoint)",
     )
     parser.add_argument(
         "--async-checkpoint",
@@ -86,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "hidden", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.checkpoint_every < 0:
-        parser.error("--checkpoint-every must be 0 or more")
+    if args.checkpoint_every != AUTO and args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be 0 or more, or auto")
     if args.fail_at_step is not None and args.fail_at_step < 0:
         parser.error("--fail-at-step must be 0 (no failure) or more")
     if args.fail_at_step == 0:
@@ -119,31 +133,17 @@ def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-def load_sharded_data(rank: int, world_size: int) -> TensorDataset:
-    """This rank's own rows from the sharding task's manifest (``TRAIN_SHARD_MANIFEST``)."""
-    from airflow_torchrun.worker.shards import load_shard
+def rank_rows(rank: int, world_size: int, seed: int) -> dict[str, np.ndarray]:
+    """This rank's training rows: its shard of the sharding task's manifest (``TRAIN_SHARD_MANIFEST``),
+    else every ``world_size``-th row of the digits' training split."""
+    if os.environ.get("TRAIN_SHARD_MANIFEST"):
+        from airflow_torchrun.worker.shards import load_shard
 
-    shard = load_shard(rank=rank, world_size=world_size)
-    x = torch.as_tensor(np.asarray(shard["x"], dtype=np.float32))
-    y = torch.as_tensor(np.asarray(shard["y"], dtype=np.int64))
-    return TensorDataset(x, y)
-
-
-class ShardSampler(torch.utils.data.Sampler[int]):
-    """The rank already holds only its own rows: a seeded shuffle per epoch, the same on every try."""
-
-    def __init__(self, size: int, num_samples: int, seed: int, rank: int) -> None:
-        self.size, self.num_samples, self.seed, self.rank, self.epoch = size, num_samples, seed, rank, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch * 1_009 + self.rank)
-        return iter(torch.randperm(self.size, generator=generator)[: self.num_samples].tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
+        shard = load_shard(rank=rank, world_size=world_size)
+        return {"x": np.asarray(shard["x"], dtype=np.float32), "y": np.asarray(shard["y"], dtype=np.int64)}
+    train, _ = load_data(seed)
+    x, y = train.tensors
+    return {"x": x[rank::world_size].numpy(), "y": y[rank::world_size].numpy()}
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -160,7 +160,7 @@ def _failure_marker(step: int) -> tuple[AbstractFileSystem, str] | None:
     root = os.environ.get("TRAIN_CHECKPOINT_URI", "").strip()
     if not root:
         return None
-    from airflow_torchrun.checkpoint import CheckpointStore
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
 
     store = CheckpointStore(root)
     return store.fs, f"{store.location.path}/simulated-failure-at-step-{step:08d}"
@@ -184,6 +184,13 @@ def maybe_fail(args: argparse.Namespace, step: int, start_step: int, rank: int) 
     if args.fail_mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     raise SystemExit(f"simulated failure of rank {rank} at step {step}")
+
+
+def _due(every: int | str, step: int) -> bool:
+    """Whether to checkpoint at ``step``: every N steps, never (0), or as ``should_checkpoint`` says."""
+    if every == AUTO:
+        return should_checkpoint(step)
+    return bool(every) and step % int(every) == 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -217,31 +224,30 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(args.seed)
 
     _, test_set = load_data(args.seed)
-    sampler: DistributedSampler[tuple[torch.Tensor, ...]] | ShardSampler
-    if os.environ.get("TRAIN_SHARD_MANIFEST"):
-        train_set = load_sharded_data(rank, world_size)
-        # Every rank must take the same number of steps: the smallest shard decides.
-        rows = torch.tensor([len(train_set)])
-        if distributed:
-            dist.all_reduce(rows, op=dist.ReduceOp.MIN)
-        sampler = ShardSampler(len(train_set), int(rows.item()), args.seed, rank)
-        log.info("Data: %d rows of this rank's shard (%s)", len(train_set), os.environ["TRAIN_SHARD_MANIFEST"])
-    else:
-        train_set, _ = load_data(args.seed)
-        sampler = DistributedSampler(
-            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
-        )
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
+    rows = rank_rows(rank, world_size, args.seed)
+    # Every rank must take the same number of steps: the smallest shard decides.
+    smallest = torch.tensor([len(rows["y"])])
+    if distributed:
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    if int(smallest.item()) < args.batch_size:
         raise SystemExit(
-            f"--batch-size {args.batch_size} x {world_size} ranks is larger than the training split "
-            f"({len(train_set)} samples); use a smaller batch size"
+            f"--batch-size {args.batch_size} is larger than the smallest rank's {int(smallest.item())} training rows; "
+            "use a smaller batch size"
         )
+    loader = ShardLoader(rows, batch_size=args.batch_size, seed=args.seed, rank=rank, num_samples=int(smallest.item()))
+    if os.environ.get("TRAIN_SHARD_MANIFEST"):
+        log.info("Data: %d rows of this rank's shard (%s)", len(rows["y"]), os.environ["TRAIN_SHARD_MANIFEST"])
+    steps_per_epoch = len(loader)
     total_steps = args.epochs * steps_per_epoch
 
     model = MLP(args.hidden).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None) if distributed else model
+    ddp: nn.Module = model
+    if distributed:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if use_cuda else None)
+        # Rebuild DDP's gradient buckets before the first step (one pass of an example batch, no trace
+        # left), so that a resumed launch sums every step's gradients in the order the uninterrupted run did.
+        example = torch.as_tensor(rows["x"][: args.batch_size]).to(device)
+        prime_ddp_buckets(ddp, example)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -253,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             start_step = resume_step()
+            if "data" in state:  # where the data loader stood: epoch, offset, seed
+                loader.load_state_dict(state["data"])
+            else:  # a checkpoint of an older trainer: the position follows from the step
+                loader.load_state_dict({"epoch": start_step // steps_per_epoch, "offset": start_step % steps_per_epoch})
             log.info("Resumed from %s at step %d", os.environ.get("TRAIN_RESUME_FROM"), start_step)
     if start_step > total_steps:
         raise SystemExit(f"the checkpoint is at step {start_step}, past the end of training ({total_steps} steps)")
@@ -267,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def state_dict() -> dict[str, object]:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "data": loader.state_dict()}
 
     progress = ProgressLogger(
         total_steps,
@@ -282,30 +292,32 @@ def main(argv: list[str] | None = None) -> None:
     timer = StepTimer()
     checkpoint_time = 0.0
     started = time.monotonic()
-    for epoch in range(start_step // steps_per_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
-        for index in range(steps_per_epoch):
-            with timer.data():
-                x, y = next(batches)
-            step = epoch * steps_per_epoch + index + 1
-            if step <= start_step:
-                continue  # done before the interruption; the sampler's order is the same
-            maybe_fail(args, step, start_step, rank)
-            with timer.compute():
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(ddp(x.to(device)), y.to(device))
-                loss.backward()
-                optimizer.step()
-            progress.update(step, loss=loss.item())
-            tracker.log_step(step, loss=loss.item(), samples=args.batch_size * world_size, timing=timer.lap())
-            if checkpointing:
-                # Asked to stop (SIGTERM)? Every rank saves this step and exits 75; the retry resumes here.
-                save_if_stopping(state_dict, step, meta={"epoch": epoch})
-            if checkpointing and args.checkpoint_every and step % args.checkpoint_every == 0 and step < total_steps:
-                tick = time.monotonic()
-                save_checkpoint(state_dict(), step, blocking=not args.async_checkpoint, meta={"epoch": epoch})
-                checkpoint_time += time.monotonic() - tick
+    batches = iter(())
+    step = start_step
+    while step < total_steps:
+        with timer.data():
+            batch = next(batches, None)
+            if batch is None:  # the epoch is done: the loader moves on to the next one
+                batches = iter(loader)
+                batch = next(batches)
+        epoch = loader.epoch
+        step += 1
+        maybe_fail(args, step, start_step, rank)
+        x, y = torch.as_tensor(batch["x"]).to(device), torch.as_tensor(batch["y"]).to(device)
+        with timer.compute():
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+        progress.update(step, loss=loss.item())
+        tracker.log_step(step, loss=loss.item(), samples=args.batch_size * world_size, timing=timer.lap())
+        if checkpointing:
+            # Asked to stop (SIGTERM)? Every rank saves this step and exits 75; the retry resumes here.
+            save_if_stopping(state_dict, step, meta={"epoch": epoch})
+        if checkpointing and step < total_steps and _due(args.checkpoint_every, step):
+            tick = time.monotonic()
+            save_checkpoint(state_dict(), step, blocking=not args.async_checkpoint, meta={"epoch": epoch})
+            checkpoint_time += time.monotonic() - tick
     train_time = time.monotonic() - started
     if checkpointing:
         tick = time.monotonic()

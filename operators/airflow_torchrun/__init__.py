@@ -15,17 +15,22 @@ _LAZY = {
     "EvaluateModelOperator": "airflow_torchrun.operators.evaluate",
     "ShardDatasetOperator": "airflow_torchrun.operators.shard",
     "RegisterModelOperator": "airflow_torchrun.operators.register",
+    "PromoteModelOperator": "airflow_torchrun.operators.register",
+    "ModelApprovalOperator": "airflow_torchrun.operators.approval",
 }
 
 if TYPE_CHECKING:
+    from airflow_torchrun.operators.approval import ModelApprovalOperator
     from airflow_torchrun.operators.evaluate import EvaluateModelOperator
-    from airflow_torchrun.operators.register import RegisterModelOperator
+    from airflow_torchrun.operators.register import PromoteModelOperator, RegisterModelOperator
     from airflow_torchrun.operators.shard import ShardDatasetOperator
     from airflow_torchrun.operators.training import DistributedTrainingOperator
 
 __all__ = [
     "DistributedTrainingOperator",
     "EvaluateModelOperator",
+    "ModelApprovalOperator",
+    "PromoteModelOperator",
     "RegisterModelOperator",
     "ShardDatasetOperator",
     "__version__",

@@ -132,10 +132,10 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def render_task(args: argparse.Namespace) -> str:
     """The YAML for ``args`` (the ``render`` subcommand's work, without printing)."""
-    from airflow_torchrun.backends.k8s_render import to_yaml
-    from airflow_torchrun.backends.kubernetes import KubernetesBackend, deployment_name
-    from airflow_torchrun.runtimes import load_runtimes
-    from airflow_torchrun.wiring import GroupIdentity
+    from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend, deployment_name
+    from airflow_torchrun.backends.kubernetes.render import to_yaml
+    from airflow_torchrun.backends.kubernetes.runtimes import load_runtimes
+    from airflow_torchrun.naming import GroupIdentity
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
     context = cast("Context", _context(task, args))
@@ -147,24 +147,24 @@ def render_task(args: argparse.Namespace) -> str:
             "run_id, ds, ts, logical_date, params, try_number and map_index to templates"
         ) from exc
     spec = task.group_spec()
-    if spec.backend != "kubernetes":
+    if spec.backend != KubernetesBackend.name:
         raise CliError(
             f"task {task.dag_id}.{task.task_id} uses backend={spec.backend!r}; render prints the objects of "
             "backend='kubernetes' tasks only"
         )
     # The operator's own variables (checkpoint, resume point, MLflow run) are resolved at launch,
     # with I/O a dry run must not do: the operator previews them without it.
-    try:
-        extra_env = dict(task.contract_env_preview(context))
-    except Exception as exc:
-        raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     catalog = load_runtimes(file=str(args.runtimes_file), variable="") if args.runtimes_file else None
     backend = KubernetesBackend(
         namespace=args.namespace or task.namespace,
         deployment=deployment_name(create=False),
         runtimes=catalog,
-        active_deadline_seconds=task.kubernetes_settings().active_deadline_seconds,
+        active_deadline_seconds=task.task_backend_options().active_deadline_seconds,
     )
+    try:
+        extra_env = dict(task.contract_env_preview(context))
+    except Exception as exc:
+        raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     identity = GroupIdentity(
         dag_id=task.dag_id,
         task_id=task.task_id,

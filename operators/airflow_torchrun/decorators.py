@@ -18,7 +18,6 @@ import builtins
 import dis
 import inspect
 import json
-import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,23 +27,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk.bases.decorator import DecoratedOperator, task_decorator_factory
 
 from airflow_torchrun.compat import AirflowFailException
+from airflow_torchrun.contract.function import AUTO, CALL_ENV, ENV_VALUE_LIMIT, SOURCE_ENV, FunctionCall
+from airflow_torchrun.contract.launch import FUNCTION_ENTRY
 from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.naming import function_result_uri
 from airflow_torchrun.operators.training import DistributedTrainingOperator
+from airflow_torchrun.operators.training_contract import TrainingContract, TrainingSettings
 from airflow_torchrun.spec import GroupSpec, is_templated
-from airflow_torchrun.worker.function import (
-    AUTO,
-    CALL_ENV,
-    ENV_VALUE_LIMIT,
-    FUNCTION_ENTRY,
-    SOURCE_ENV,
-    FunctionCall,
-)
 
 if TYPE_CHECKING:
     from airflow.sdk.bases.decorator import TaskDecorator
 
     from airflow_torchrun.backends.handles import GroupHandle
     from airflow_torchrun.compat import Context
+    from airflow_torchrun.operators.contracts import TaskIO
     from airflow_torchrun.watch import Verdict
 
 XCOM_SUMMARY = "training_summary"
@@ -177,8 +173,12 @@ def _placeholders(value: Any) -> Any:
 
 
 def _entry_command(backend: object) -> list[str]:
-    """torchrun runs it with --no-python: this interpreter locally, the image's ``python`` elsewhere."""
-    return [sys.executable if backend == "local" else "python", "-m", FUNCTION_ENTRY]
+    """torchrun runs it with --no-python: the backend's interpreter (this one locally, the image's
+    ``python`` elsewhere; for a templated backend, ``python`` until it is rendered)."""
+    from airflow_torchrun.backends import backend_class, backend_names
+
+    python = backend_class(backend).python if isinstance(backend, str) and backend in backend_names() else "python"
+    return [python, "-m", FUNCTION_ENTRY]
 
 
 class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
@@ -287,7 +287,7 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
     def _call(self, shipped: ShippedFunction, arguments: Mapping[str, Any], result_uri: str | None) -> FunctionCall:
         signature = inspect.signature(self.python_callable)
         ordered = {name: arguments[name] for name in signature.parameters if name in arguments}
-        bound = inspect.BoundArguments(signature, ordered)  # type: ignore[arg-type]
+        bound = inspect.BoundArguments(signature, ordered)
         args, kwargs = list(bound.args), dict(bound.kwargs)
         params = list(signature.parameters.values())
         if not any(p.kind is inspect.Parameter.VAR_POSITIONAL and ordered.get(p.name) for p in params):
@@ -317,7 +317,7 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             if name == "try_number" and "ti" in context:
                 value: Any = context["ti"].try_number
             else:
-                value = context.get(name)  # type: ignore[misc]
+                value = context.get(name)
             if isinstance(value, Mapping):
                 value = value.dump() if hasattr(value, "dump") else dict(value)
             problems = json_problems(value, f"the context value {name}", allow_templates=False)
@@ -328,37 +328,31 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             out[name] = value
         return out
 
-    def _result_location(self, context: Context) -> str:
-        """Per try (a deferred re-entry derives the same one); beside the task's checkpoints."""
-        ti = context.get("ti")
-        try_number = ti.try_number if ti is not None else context.get("try_number", 1)  # type: ignore[misc]
-        raw_index = ti.map_index if ti is not None else context.get("map_index", -1)  # type: ignore[misc]
-        index = f"-{raw_index}" if isinstance(raw_index, int) and raw_index >= 0 else ""
-        root = str(self.checkpoint_uri or self.default_checkpoint_uri(context)).rstrip("/")
-        return f"{root}/results/{self.task_id}{index}-try{try_number}.json"
-
-    def _function_env(self, context: Context, *, preview: bool) -> dict[str, str]:
+    def _function_env(self, context: Context, result_uri: str, *, preview: bool) -> dict[str, str]:
         shipped, problems = ship_function(self.python_callable)
         if shipped is None:  # refused at parse time already; a function changed since?
             raise AirflowFailException(f"{self._where}: " + "; ".join(problems))
         arguments = {**self._bound_arguments(), **self._context_arguments(context, preview=preview)}
-        call = self._call(shipped, arguments, result_uri=self._result_location(context))
+        call = self._call(shipped, arguments, result_uri=result_uri)
         problems = _size_problems(call)
         if problems:
             raise AirflowFailException(f"{self._where}: " + "; ".join(problems))
         return call.to_env()
 
-    def contract_env_preview(self, context: Context) -> dict[str, str]:
-        """The training contract and the shipped function, without I/O (``airflow-torchrun render``)."""
-        return {**super().contract_env_preview(context), **self._function_env(context, preview=True)}
-
-    def contract_env(self, context: Context) -> dict[str, str]:
-        """The training contract, then the function (checked first: a bad argument launches nothing)."""
-        function_env = self._function_env(context, preview=False)
-        env = super().contract_env(context)
-        uri = self._result_location(context)
-        self.preflight("clearing an earlier launch's result", lambda: self._remove_result(uri))
-        return {**env, **function_env}
+    def rank_contract(self, io: TaskIO, state: dict[str, Any] | None = None) -> FunctionContract:
+        return FunctionContract(
+            io,
+            self.training,
+            function_env=lambda uri, preview: self._function_env(io.context, uri, preview=preview),
+            dag_id=str(self.dag_id),
+            task_id=str(self.task_id),
+            checkpoint_uri=self.checkpoint_uri,
+            resume=self.resume,
+            shard_manifest=self.shard_manifest,
+            mlflow_experiment=self.mlflow_experiment,
+            outlets=self.outlets,
+            state=state,
+        )
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
         if "ti" not in context:  # `airflow-torchrun render`: no upstream output exists yet
@@ -366,38 +360,59 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             self.op_kwargs = _placeholders(dict(self.op_kwargs))
         super().render_template_fields(context, jinja_env)
 
-    # -- the end ------------------------------------------------------------------------------
-    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> Any:
+
+class FunctionContract(TrainingContract):
+    """Training's contract plus the function: its source and arguments in every rank's environment,
+    rank 0's return value (written under the task's checkpoints) as the task's result."""
+
+    def __init__(
+        self, io: TaskIO, settings: TrainingSettings, *, function_env: Callable[[str, bool], dict[str, str]], **kw: Any
+    ) -> None:
+        super().__init__(io, settings, **kw)
+        self._function_env = function_env
+        self.result_uri = function_result_uri(self.checkpoint_uri, self.lineage.task_id, io.map_index, io.try_number)
+
+    def preview(self) -> dict[str, str]:
+        """The training contract and the shipped function, without I/O (``airflow-torchrun render``)."""
+        return {**super().preview(), **self._function_env(self.result_uri, True)}
+
+    def env(self) -> dict[str, str]:
+        """The training contract, then the function (checked first: a bad argument launches nothing)."""
+        function_env = self._function_env(self.result_uri, False)
+        env = super().env()
+        self.io.preflight("clearing an earlier launch's result", self._remove_result)
+        return {**env, **function_env}
+
+    def finish(self, handle: GroupHandle, verdict: Verdict, spec: GroupSpec) -> Any:
         """Rank 0's return value; the training summary goes to the XCom key ``training_summary``."""
-        summary = super().finish(context, handle, verdict)
-        context["ti"].xcom_push(key=XCOM_SUMMARY, value=summary)
-        uri = self._result_location(context)
-        text = self.preflight("reading rank 0's return value", lambda: self._read_result(uri))
+        summary = super().finish(handle, verdict, spec)
+        self.io.push(XCOM_SUMMARY, summary)
+        text = self.io.preflight("reading rank 0's return value", self._read_result)
         if text is None:
             raise AirflowFailException(
-                f"{self._where}: every rank exited 0 but rank 0's return value is not at {uri}. On Kubernetes, "
-                "checkpoint_uri must be storage the pods and the Airflow worker share (s3://...), not a path "
-                "inside the pods"
+                f"{self.io.where}: every rank exited 0 but rank 0's return value is not at {self.result_uri}. On "
+                "Kubernetes, checkpoint_uri must be storage the pods and the Airflow worker share (s3://...), not "
+                "a path inside the pods"
             )
         return json.loads(text)
 
-    def _store_and_path(self, uri: str) -> tuple[Any, str]:
-        from airflow_torchrun.checkpoint import CheckpointStore
+    def _store_and_path(self) -> tuple[Any, str]:
+        from airflow_torchrun.storage.checkpoints import CheckpointStore
 
-        root, _, name = uri.rpartition("/")
-        store = CheckpointStore(root, self.storage_options_resolved())
+        root, _, name = self.result_uri.rpartition("/")
+        store = CheckpointStore(root, self.io.resolved_storage_options())
         return store, f"{store.path_of(root)}/{name}"
 
-    def _read_result(self, uri: str) -> str | None:
-        store, path = self._store_and_path(uri)
+    def _read_result(self) -> str | None:
+        store, path = self._store_and_path()
         try:
             with store.fs.open(path, "r") as fp:
                 return str(fp.read())
         except FileNotFoundError:
             return None
 
-    def _remove_result(self, uri: str) -> None:
-        store, path = self._store_and_path(uri)
+    def _remove_result(self) -> None:
+        store, path = self._store_and_path()
         if store.fs.exists(path):
             store.fs.rm(path)
 

@@ -2,7 +2,9 @@
 
 Runs ``airflow dags test torchrun_pipeline`` (real Airflow on SQLite, the local backend, file://
 checkpoints, MLflow on SQLite) with ``fail_at_step`` set, so the first training try loses rank 1
-part-way and the retry resumes from the latest checkpoint. Then prints a summary read back from
+part-way and the retry resumes from the latest checkpoint. Unattended: ``require_approval`` is off,
+so the promotion to champion asks no one (``airflow dags test`` has no one to ask; trigger the DAG
+from ``make ui`` to approve on the Required Actions page). Then prints a summary read back from
 Airflow's metadata DB and MLflow, and the commands to open both UIs on these results.
 
 Environment (the Makefile sets these): ``AIRFLOW_HOME``, ``AIRFLOW__CORE__DAGS_FOLDER``,
@@ -21,12 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from airflow_torchrun.backends import DEFAULT_BACKEND, backend_class, backend_names
+
 DAG_ID = "torchrun_pipeline"
 # What is worth seeing live from Airflow's (very detailed) output; everything goes to the log file.
 LIVE = re.compile(
     r"\[DAG TEST\] (starting|end) task|Launched group|Checkpoints:|Group \S+ (nodes|succeeded|failed)|"
     r"Training group .* failed|\[node \d+ rank 0\] .*(step \d+/|FINAL|EVAL|Resumed)|Registered|champion|"
-    r"Created dag run|Marking run"
+    r"Created dag run|Marking run|require_approval|new champion|Approved by|Rejected by"
 )
 
 
@@ -86,6 +90,8 @@ def _summary() -> dict[str, Any]:
             "resumed_from": xcom("train", "resumed_from"),
             "evaluate": xcom("evaluate"),
             "register": xcom("register"),
+            "promote": xcom("promote"),
+            "decision": xcom("approve", "decision"),
         }
 
 
@@ -108,7 +114,8 @@ def _print_summary(s: dict[str, Any], log: Path) -> None:
         print(f"Training       resumed from step {resumed['step']} ({resumed['uri']}) after the planned failure")
     if train:
         print(f"               world size {train['world_size']}, final checkpoint {train['final_checkpoint']}")
-        print(f"               group logs {train['log_dir']}")
+        if train.get("log_dir"):
+            print(f"               group logs {train['log_dir']}")
         print(f"               MLflow run {train['mlflow_run_id']}")
     if s["evaluate"]:
         shown = (f"{k}={int(v)}" if float(v).is_integer() else f"{k}={v:.4f}" for k, v in sorted(s["evaluate"].items()))
@@ -116,6 +123,15 @@ def _print_summary(s: dict[str, Any], log: Path) -> None:
     reg = s["register"]
     if reg:
         print(f"Registered     {reg['name']} version {reg['version']}, aliases {', '.join(reg['aliases'])}")
+        proposal = reg.get("proposal") or {}
+        decision = s.get("decision") or {}
+        promoted = s.get("promote")
+        asked = "asked" if decision.get("asked") else "not asked (require_approval off)"
+        if promoted:
+            aliases = ", ".join(promoted["aliases"])
+            print(f"Promoted       version {promoted['version']}, aliases {aliases}; approval {asked}")
+        else:
+            print(f"Promoted       nothing: {proposal.get('why', 'see the log')}")
     else:
         print("Registered     nothing (the quality gate did not pass, see the log)")
     print(f"Full log       {log}")
@@ -124,16 +140,28 @@ def _print_summary(s: dict[str, Any], log: Path) -> None:
         f"  Airflow: AIRFLOW_HOME={home} AIRFLOW__CORE__DAGS_FOLDER={os.environ.get('AIRFLOW__CORE__DAGS_FOLDER', '')} "
         f"AIRFLOW__TORCHRUN__STATE_DIR={state} .venv/bin/airflow standalone   # then http://localhost:8080"
     )
-    print(
-        f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{state}/mlflow/mlflow.db --port 5000"
-        "   # then http://localhost:5000"
-    )
+    tracking = os.environ.get("AIRFLOW__TORCHRUN__MLFLOW_TRACKING_URI", "")
+    if tracking.startswith(("http://", "https://")):
+        print(f"  MLflow:  {tracking}   # the tracking server the task and its pods logged into")
+    else:
+        print(
+            f"  MLflow:  .venv/bin/mlflow ui --backend-store-uri sqlite:///{state}/mlflow/mlflow.db --port 5000"
+            "   # then http://localhost:5000"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fail-at-step", type=int, default=30, help="rank 1 fails once at this step (0: never)")
     parser.add_argument("--conf", default="{}", help="more DAG run conf (JSON), e.g. '{\"epochs\": 8}'")
+    parser.add_argument(
+        "--backend",
+        choices=backend_names(),
+        default=DEFAULT_BACKEND,
+        help="kubernetes: the training and evaluation groups run on the cluster of the Airflow connection "
+        "(make demo BACKEND=kubernetes: the one of make cluster); shards and checkpoints then go to "
+        "[torchrun] checkpoint_base, which must be object storage every pod reaches",
+    )
     args = parser.parse_args(argv)
 
     state = Path(os.environ.setdefault("AIRFLOW__TORCHRUN__STATE_DIR", str(Path(".state/torchrun").resolve())))
@@ -148,7 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     if _airflow("db", "migrate") != 0:
         print("airflow db migrate failed; run it by hand to see why", file=sys.stderr)
         return 1
-    conf = {**json.loads(args.conf), "fail_at_step": args.fail_at_step}
+    conf = {"require_approval": False, **json.loads(args.conf), "fail_at_step": args.fail_at_step}
+    if not backend_class(args.backend).shares_worker_files:
+        base = os.environ.get("AIRFLOW__TORCHRUN__CHECKPOINT_BASE", "")
+        if not base.startswith("s3://"):
+            print(
+                f"--backend {args.backend}: set AIRFLOW__TORCHRUN__CHECKPOINT_BASE to an s3:// URI the pods reach "
+                "(make cluster writes one into .state/cluster/env)",
+                file=sys.stderr,
+            )
+            return 2
+        conf.setdefault("backend", args.backend)
+        conf.setdefault("shards_uri", base.rstrip("/").rsplit("/", 1)[0] + "/shards")
     print(f"Running {DAG_ID} with conf {json.dumps(conf)} (rank 1 fails once at step {args.fail_at_step}):", flush=True)
     code = _airflow("dags", "test", DAG_ID, "-c", json.dumps(conf), log=log, echo=True)
     summary = _summary()

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
+from airflow_torchrun.contract.progress import MARKER as PROGRESS_MARKER
 
 _BLOCK = re.compile(
     r"time\s*:\s*(?P<time>\S+)\s*\n"
@@ -135,6 +136,35 @@ def parse_agent_report(node_rank: int, log_text: str) -> list[RankFailure]:
     return list(failures.values())
 
 
+def agent_lines(log_text: str) -> str:
+    """The lines of a node's log that its torchrun agent wrote itself: every rank line carries the
+    ``[node N rank R]`` prefix (torchrun's tee adds it per line), so a rank cannot forge these."""
+    return "\n".join(line for line in log_text.splitlines() if not line.startswith("[node ")) + "\n"
+
+
+def from_exit_statuses(node_rank: int, outcomes: Iterable[Mapping[str, Any]]) -> list[RankFailure]:
+    """The failed ranks among a node's workers as the kernel reported their ends (the local
+    supervisor's ``workers.json``): exit code or signal, rank and local rank, time."""
+    failures = []
+    for o in outcomes:
+        code, rank = o.get("exit_code"), o.get("rank")
+        if not isinstance(code, int) or isinstance(code, bool) or code == 0 or not isinstance(rank, int):
+            continue
+        local = o.get("local_rank")
+        when = o.get("at")
+        failures.append(
+            RankFailure(
+                node_rank=node_rank,
+                rank=rank,
+                local_rank=local if isinstance(local, int) else None,
+                exit_code=code,
+                signal=_signal_name(code),
+                time=float(when) if isinstance(when, int | float) else None,
+            )
+        )
+    return failures
+
+
 def parse_error_file(text: str) -> tuple[int | None, str | None, str | None, float | None]:
     """(rank, message, traceback, time) from a torchrun error file; Nones where absent."""
     try:
@@ -226,8 +256,9 @@ def traceback_tail(tb: str, limit: int = TAIL_LINES) -> list[str]:
 
 
 def rank_lines(log_text: str, node_rank: int, rank: int | None, limit: int = TAIL_LINES) -> list[str]:
-    """The last lines one rank printed (torchrun prefixes each with ``[node N rank R]``)."""
-    lines = log_text.splitlines()
+    """The last lines one rank printed (torchrun prefixes each with ``[node N rank R]``), without its
+    progress records (``@torchrun-progress {...}``: data for the watch and the view, not for people)."""
+    lines = [line for line in log_text.splitlines() if PROGRESS_MARKER.strip() not in line]
     if rank is not None:
         prefix = f"[node {node_rank} rank {rank}]"
         mine = [line for line in lines if line.startswith(prefix)]

@@ -1,39 +1,52 @@
 """The run engine: attach -> launch -> watch -> relaunch -> finish, for every operator that runs a group.
 
-An operator composes a :class:`RunEngine` with its own rank contract (``contract_env``) and its
-own finish; the engine owns the group's life: it stops or attaches to what earlier tries left,
-launches, pushes the handle at once, watches with the one watch core (in this process, or in the
-triggerer after ``defer_after`` seconds), tears the group down on every way out, and decides
-whether a group that ended badly is relaunched within the try (:class:`Launches`).
+An operator composes a :class:`RunEngine` with its own rank contract
+(:class:`~airflow_torchrun.operators.contracts.RankContract`: the ranks' variables, the task's
+result); the engine owns the group's life: it stops or attaches to what earlier tries left,
+launches, pushes the handle at once, watches with the one watch (in this process, or in the
+triggerer after ``defer_after`` seconds), tears the group down on every way out, decides whether a
+group that ended badly is relaunched within the try (:class:`Launches`), and ends the try: the
+contract's result, or the failure raised under the error policy (:meth:`RunEngine.conclude`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from airflow_torchrun.backends.base import FailureReport, Relaunch, RelaunchKind
-from airflow_torchrun.compat import AirflowException
+from airflow_torchrun.compat import AirflowException, AirflowFailException, AirflowTaskTimeout
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
+from airflow_torchrun.contract.progress import MARKER
 from airflow_torchrun.errors import retry_transient
+from airflow_torchrun.operators.policy import NOT_RETRYING
 from airflow_torchrun.progress import ProgressThresholds
-from airflow_torchrun.watch import Note, Outcome, Verdict, Watch, WatchConfig, watch_sync
-from airflow_torchrun.worker.progress import MARKER
+from airflow_torchrun.status import NodePhase, Outcome
+from airflow_torchrun.timeline import XCOM_TIMELINE, Mark, Timeline
+from airflow_torchrun.watch import Note, Verdict, Watch, WatchConfig, watch_sync
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
     from airflow_torchrun.backends.handles import GroupHandle
+    from airflow_torchrun.books import TryBooks
+    from airflow_torchrun.naming import GroupIdentity
+    from airflow_torchrun.operators.contracts import RankContract
     from airflow_torchrun.settings import RunSettings
     from airflow_torchrun.spec import GroupSpec
-    from airflow_torchrun.wiring import GroupIdentity
 
 T = TypeVar("T")
 PORT_RACE_RETRIES = 3
+# The trigger fires no sooner than this after the deferral: the deferring process must have been
+# reported finished by the executor before the trigger re-queues the task (Airflow 3.3 fails a
+# task whose first process reports "success" while it is queued again).
+DEFER_SETTLE_SECONDS = 10.0
 XCOM_GROUP = "group"
 XCOM_LAUNCHES = "launches"
+XCOM_RESUME_AUDIT = "resume_audit"
 
 
 @dataclass
@@ -170,17 +183,68 @@ def permanent_failure(report: FailureReport, settings: RunSettings) -> str | Non
 class RunEngine:
     """One task instance's group, from launch (or attach) to the end of the try."""
 
-    backend: Backend
+    backend: Backend[Any]
     spec: GroupSpec
     settings: RunSettings
     log: Any  # the operator's logger
     push: Callable[[str, Any], None]  # XCom push of this try
     identity: Callable[[int], GroupIdentity]  # relaunch number -> identity
-    contract_env: Callable[[], Mapping[str, str]]  # resolved anew for every launch (its resume point)
+    contract: RankContract  # its env is resolved anew for every launch (its resume point)
     deadline: float | None = None  # epoch: the task's execution_timeout
     handle: GroupHandle | None = None
     killed: bool = False
+    timeline: Timeline = field(default_factory=Timeline)
+    result: Any = None  # the contract's result once the try succeeded (OpenLineage's facets read it)
+    books: TryBooks | None = None  # goodput and the resume audit (the contract's; None: not kept)
     _reports: dict[str, FailureReport] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_try(
+        cls,
+        context: Any,
+        backend: Backend[Any],
+        spec: GroupSpec,
+        settings: RunSettings,
+        contract: RankContract,
+        log: Any,
+        *,
+        killed: bool = False,
+    ) -> RunEngine:
+        """The engine of the try ``context`` is of: its launches are named after its task instance."""
+        from airflow_torchrun.naming import GroupIdentity
+
+        ti = context["ti"]
+
+        def identity(relaunch: int) -> GroupIdentity:
+            return GroupIdentity(
+                dag_id=ti.dag_id,
+                task_id=ti.task_id,
+                run_id=ti.run_id,
+                try_number=ti.try_number,
+                map_index=ti.map_index if ti.map_index is not None else -1,
+                relaunch=relaunch,
+            )
+
+        return cls(
+            backend=backend,
+            spec=spec,
+            settings=settings,
+            log=log,
+            push=lambda key, value: ti.xcom_push(key=key, value=value),
+            identity=identity,
+            contract=contract,
+            killed=killed,
+            books=contract.books(),
+        )
+
+    @staticmethod
+    def deadline_of(context: Any, execution_timeout: Any, fallback: float) -> float | None:
+        """The task's ``execution_timeout`` as an epoch deadline, from the try's start."""
+        if execution_timeout is None:
+            return None
+        started = context["ti"].start_date
+        start = started.timestamp() if started is not None else fallback
+        return float(start + execution_timeout.total_seconds())
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> tuple[GroupHandle, Launches]:
@@ -191,34 +255,47 @@ class RunEngine:
         attached to or launched, so a bad store fails the task first.
         """
         identity = self.identity(0)
+        self.timeline.mark_once(Mark.TRY_STARTED, time.time())
         for group_id in self._calm("stopping earlier tries", lambda: self.backend.stop_earlier_tries(identity)):
             self.log.warning("Stopped group %s, left running by an earlier try of this task", group_id)
-        env = self.contract_env()
+        env = self._contract_env(0)
         found = self._calm(
             "looking for a group of an earlier try", lambda: self.backend.find_existing(identity, self.spec)
         )
         if found is not None:
             self.handle = found
+            self.timeline.mark(Mark.ATTACHED, time.time(), found.relaunch, group_id=found.group_id)
             self.push(XCOM_GROUP, found.to_dict())
             self.log.info("Attaching to group %s, started by an earlier try of this task", found.group_id)
             # An attached relaunch keeps counting against the preemption budget.
             return found, Launches(preemptions=found.relaunch)
         return self.launch(0, env), Launches()
 
+    def _contract_env(self, launch: int) -> Mapping[str, str]:
+        self.timeline.mark(Mark.CONTRACT_STARTED, time.time(), launch)
+        env = self.contract.env()
+        self.timeline.mark(Mark.CONTRACT_READY, time.time(), launch)
+        return env
+
     def launch(self, relaunch: int, env: Mapping[str, str] | None = None) -> GroupHandle:
-        plan = self.backend.plan(self.spec, self.identity(relaunch), self.contract_env() if env is None else env)
+        plan = self.backend.plan(
+            self.spec, self.identity(relaunch), self._contract_env(relaunch) if env is None else env
+        )
         if self.killed:  # on_kill came while the contract was resolved: launch nothing
             raise AirflowException(f"Group {plan.group_id} was not launched: the task was killed (on_kill)")
         # In deferrable mode this process exits while the group runs: the group must not follow it.
         # A launch that failed left nothing behind, so a transient failure (API 5xx) is tried again.
+        self.timeline.mark(Mark.LAUNCH_STARTED, time.time(), relaunch)
         handle = self._calm(
             f"launching group {plan.group_id}",
             lambda: self.backend.launch(plan, watch_caller=not self.settings.deferrable),
         )
         self.handle = handle
+        self.timeline.mark(Mark.LAUNCHED, time.time(), relaunch, group_id=handle.group_id)
         try:
             # Push now so that on error (or a dead worker) the group can still be found.
             self.push(XCOM_GROUP, handle.to_dict())
+            self.push(XCOM_TIMELINE, self.timeline.to_list())
             self._announce(handle, plan.master_addr, plan.master_port)
         except BaseException:
             self.settle(handle)  # a group nobody watches must not run on
@@ -251,17 +328,32 @@ class RunEngine:
         launches: Launches,
         *,
         verdict: Verdict | None = None,
+        seen: Mapping[str, Any] | None = None,
         defer: Callable[[GroupHandle, Launches], NoReturn] | None = None,
     ) -> tuple[GroupHandle, Verdict]:
         """Watch (or take ``verdict`` from the trigger), tear down, relaunch while allowed; the last verdict.
 
         With ``defer`` (deferrable mode), a group still running after ``defer_after`` seconds is
-        handed to the triggerer: ``defer`` raises and this returns only on re-entry.
+        handed to the triggerer: ``defer`` raises and this returns only on re-entry (``verdict`` and
+        ``seen``: what the trigger's watch decided and saw first).
         """
+        if seen:
+            self._saw(handle, seen)
         while True:
             if verdict is None:
                 verdict = self.watch(handle, launches, defer)
+            self._exited(handle, verdict)
+            self.timeline.mark(Mark.ENDED, time.time(), handle.relaunch, outcome=verdict.outcome.value)
+            # The ranks' records for the goodput ledger: after the teardown where the logs outlive it,
+            # so that a rank still exiting when a peer's failure ended the group has written its last
+            # window (its exit flushes it); before it where the logs go with the group (pods).
+            outlive = self.backend.logs_outlive_teardown
+            if not outlive:
+                self.close_books(handle)
             self.settle(handle, verdict)
+            if outlive:
+                self.close_books(handle)
+            self._ranks_account(handle)
             relaunch = (
                 self.backend.relaunch_reason(handle, verdict.group_status())
                 if verdict.outcome is Outcome.FAILED
@@ -274,6 +366,8 @@ class RunEngine:
                 self.log.warning("Group %s: %s", handle.group_id, why_not)
             if why is None:
                 return handle, verdict
+            kind = launches.history[-1]["kind"] if launches.history else ""
+            self.timeline.mark(Mark.RELAUNCH, time.time(), handle.relaunch, kind=kind, why=why)
             self.log.warning(
                 "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
             )
@@ -292,11 +386,12 @@ class RunEngine:
             thresholds=ProgressThresholds.from_conf(),
         )
         until = time.time() + s.defer_after if defer is not None else None
+        watch = Watch.of(handle, config, time.time())
         try:
             verdict = watch_sync(
                 self.backend,
                 handle,
-                Watch.of(handle, config, time.time()),
+                watch,
                 emit=self._emit,
                 after_look=lambda: self._after_look(handle),
                 until=until,
@@ -308,9 +403,12 @@ class RunEngine:
             except Exception as exc:  # the reason the watch ended is what the task reports
                 self.log.error("Group %s: tearing it down failed too: %s", handle.group_id, exc)
             raise
+        self._saw(handle, watch.seen())
         if verdict is None:
             assert defer is not None  # watch_sync returns None only with ``until``
+            self.timeline.mark(Mark.DEFERRED, time.time(), handle.relaunch)
             self.push(XCOM_LAUNCHES, launches.to_dict())
+            self.push(XCOM_TIMELINE, self.timeline.to_list())
             self.log.info(
                 "Group %s still running after %.0fs (defer_after); deferring: the triggerer watches it from now on",
                 handle.group_id,
@@ -318,6 +416,82 @@ class RunEngine:
             )
             defer(handle, launches)
         return verdict
+
+    def _saw(self, handle: GroupHandle, seen: Mapping[str, Any]) -> None:
+        """What a watch saw first, on the timeline (once per launch: a watch that starts again in
+        the triggerer sees the same output for the first time too)."""
+        launch = handle.relaunch
+        if isinstance(seen.get("running_at"), int | float):
+            self.timeline.mark_once(Mark.RUNNING, float(seen["running_at"]), launch)
+        if isinstance(seen.get("first_output_at"), int | float):
+            self.timeline.mark_once(Mark.FIRST_OUTPUT, float(seen["first_output_at"]), launch)
+        if isinstance(seen.get("first_step_at"), int | float):
+            step = seen.get("first_step")
+            self.timeline.mark_once(Mark.FIRST_STEP, float(seen["first_step_at"]), launch, step=step)
+
+    def close_books(self, handle: GroupHandle) -> None:
+        """The launch's account from its ranks' records, and its resume audit (one log line); best effort."""
+        books = self.books
+        if books is None:
+            return
+        from airflow_torchrun.audit import AuditMode, AuditStatus
+        from airflow_torchrun.books import read_launch_lines
+
+        try:
+            result = books.close_launch(handle.relaunch, read_launch_lines(handle))
+        except Exception as exc:  # an account of the launch, never a reason to fail it
+            self.log.warning(
+                "Group %s: could not read its ranks' records for the goodput ledger: %s", handle.group_id, exc
+            )
+            return
+        if result is None:
+            return
+        level = logging.WARNING if result.status is AuditStatus.DIVERGED else logging.INFO
+        if result.status is AuditStatus.DIVERGED and books.mode is AuditMode.FAIL:
+            level = logging.ERROR
+        self.log.log(level, "Group %s: %s", handle.group_id, result.line())
+        try:
+            self.push(XCOM_RESUME_AUDIT, result.to_dict())
+        except Exception as exc:
+            self.log.warning("Could not publish the resume audit: %s", exc)
+
+    def _ledger(self, *, final: bool) -> None:
+        """The try's and the task's goodput ledger, as of now: XCom ``goodput``; at the end also the
+        task log's summary line and the try's account kept for later tries."""
+        books = self.books
+        if books is None:
+            return
+        from airflow_torchrun.goodput import XCOM_GOODPUT, summary_line
+
+        try:
+            published = books.make_ledger(self.timeline, time.time())
+            self.push(XCOM_GOODPUT, published)
+            if final and books.ledger is not None and books.task is not None:
+                self.log.info("%s", summary_line(books.ledger, books.task))
+                books.keep()
+        except Exception as exc:  # an account of the try, never a reason to fail it
+            self.log.warning("Could not make the try's goodput ledger: %s", exc)
+
+    def _exited(self, handle: GroupHandle, verdict: Verdict) -> None:
+        """When the group ended on its nodes (the backend's record), before the watch's verdict."""
+        ends = [n.finished_at for n in verdict.nodes if n.finished_at is not None]
+        if verdict.outcome is not Outcome.SUCCEEDED:
+            bad = [n.finished_at for n in verdict.nodes if n.phase is not NodePhase.SUCCEEDED]
+            ends = [min(t for t in bad if t is not None)] if any(t is not None for t in bad) else []
+        if ends:
+            self.timeline.mark(Mark.EXITED, max(ends), handle.relaunch, outcome=verdict.outcome.value)
+
+    def _ranks_account(self, handle: GroupHandle) -> None:
+        """The ranks' own moments (their launchers' records): when the last one started, when the
+        process group stood. An account only: a record that cannot be read marks nothing."""
+        try:
+            records = self.backend.process_groups(handle) or []
+        except Exception:  # the timeline is an account, never a reason to fail a try
+            return
+        for mark, key in ((Mark.RANKS_STARTED, "started_at"), (Mark.RENDEZVOUS, "joined_at")):
+            times = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+            if times and len(times) == len(records):
+                self.timeline.mark_once(mark, max(times), handle.relaunch, ranks=len(times))
 
     def explain(self, handle: GroupHandle, verdict: Verdict) -> FailureReport:
         """The backend's story of a failed group (read once per group: it reads every node's log)."""
@@ -354,8 +528,10 @@ class RunEngine:
         Transient trouble is retried within ``preflight_budget``. After a success a teardown that
         still fails is only warned about: the training is done, whatever is left has finished too.
         """
+        self.timeline.mark(Mark.TEARDOWN_STARTED, time.time(), handle.relaunch)
         try:
             self._calm(f"tearing down group {handle.group_id}", lambda: self.backend.teardown(handle))
+            self.timeline.mark(Mark.TEARDOWN_DONE, time.time(), handle.relaunch)
         except Exception as exc:
             if verdict is None or verdict.outcome is not Outcome.SUCCEEDED:
                 raise
@@ -372,6 +548,88 @@ class RunEngine:
             if MARKER in line:  # a progress record: the watch summarises them; they stay in the node logs
                 continue
             self.log.info("%s", line)
+
+    def trigger(self, handle: GroupHandle, launches: Launches) -> Any:
+        """The trigger that watches ``handle`` in the triggerer, carrying what the re-entry needs (the
+        try's launches, the contract's state): the event hands it back."""
+        from airflow_torchrun.triggers import GroupTrigger
+
+        s = self.settings
+        return GroupTrigger(
+            handle=handle.to_dict(),
+            poll_interval=max(float(s.poll_interval), 1.0),
+            progress_timeout=s.progress_timeout,
+            deadline=self.deadline,
+            error_budget=float(s.observe_error_budget),
+            not_before=time.time() + DEFER_SETTLE_SECONDS,
+            carry={
+                "launches": launches.to_dict(),
+                "contract": self.contract.state(),
+                "timeline": self.timeline.to_list(),
+                "books": self.books.carry() if self.books is not None else None,
+            },
+        )
+
+    def conclude(self, handle: GroupHandle, verdict: Verdict) -> Any:
+        """End the try: the contract's result, or the group's story raised (retryable or not)."""
+        if verdict.outcome is Outcome.SUCCEEDED:
+            self.timeline.mark(Mark.FINISH_STARTED, time.time(), handle.relaunch)
+            self._audit_verdict(handle)
+            self._ledger(final=False)  # what the finish publishes (the asset event)
+            try:
+                result = self.contract.finish(handle, verdict, self.spec)
+            except BaseException:
+                self._ended(handle, False)
+                raise
+            self._ended(handle, True)
+            self.result = result
+            return result
+        # A resume that diverged and then failed is failed for the divergence: a retry would resume
+        # from a checkpoint the diverged run wrote, and its audit would compare against that run.
+        self._audit_verdict(handle)
+        self._ended(handle, False)
+        if verdict.outcome is Outcome.TIMEOUT:
+            raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
+        if verdict.outcome in (Outcome.ERROR, Outcome.PROGRESS_TIMEOUT):
+            where = ", ".join(self.backend.log_locations(handle))
+            message = f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}"
+            if not verdict.transient:  # e.g. the cluster forbids looking at the group: a retry would too
+                raise AirflowFailException(f"{message}\n{NOT_RETRYING}")
+            raise AirflowException(message)
+        report = self.explain(handle, verdict)
+        self.log.error("%s", report.message)
+        if not report.retryable:
+            raise AirflowFailException(f"{report.message}\n{NOT_RETRYING}")
+        why = self.permanent(handle, verdict)
+        if why:
+            raise AirflowFailException(f"{report.message}\n(Not retrying: {why}.)")
+        raise AirflowException(report.message)
+
+    def _audit_verdict(self, handle: GroupHandle) -> None:
+        """``resume_audit="fail"``: a resume that diverged fails the task, without retry (a retry
+        would resume from a checkpoint the diverged run wrote)."""
+        from airflow_torchrun.audit import AuditMode
+
+        books = self.books
+        diverged = books.diverged() if books is not None and books.mode is AuditMode.FAIL else None
+        if diverged is None:
+            return
+        self._ended(handle, False)
+        raise AirflowFailException(
+            f"Group {handle.group_id}: {diverged.line()}\nresume_audit='fail': failing the task. {NOT_RETRYING}"
+        )
+
+    def _ended(self, handle: GroupHandle, succeeded: bool) -> None:
+        """The try's outcome is known: the contract is told, the timeline completed and published,
+        the goodput ledger made (XCom, the task log's summary, kept for later tries)."""
+        self._ledger(final=False)  # what the contract publishes (MLflow) as it ends
+        self.contract.ended(handle, succeeded)
+        self.timeline.mark(Mark.TRY_ENDED, time.time(), outcome="succeeded" if succeeded else "failed")
+        try:
+            self.push(XCOM_TIMELINE, self.timeline.to_list())
+        except Exception as exc:  # an account of the try, never a reason to fail it
+            self.log.warning("Could not publish the try's timeline: %s", exc)
+        self._ledger(final=True)
 
     def kill(self) -> None:
         """``on_kill``: stop the whole group (idempotent)."""

@@ -83,18 +83,6 @@ class GroupLaunchError(TorchrunError):
     (the API did not answer, or answered 5xx); either way nothing of the group is left running."""
 
 
-class GroupFailedError(TorchrunError):
-    """A rank of the group failed; the group has been torn down.
-
-    ``retryable`` tells whether running the task again can help (a killed or timed-out rank can,
-    a script that does not exist or fails to import cannot).
-    """
-
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        self.retryable = retryable
-        super().__init__(message, transient=retryable)
-
-
 class StorageError(TorchrunError):
     """A checkpoint or dataset location cannot be used (bad URI, unreachable, no access).
 

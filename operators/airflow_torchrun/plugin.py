@@ -36,7 +36,8 @@ class TorchrunPlugin(AirflowPlugin):
     external_views = [
         {
             "name": "Training",
-            "href": "/torchrun/view/{DAG_ID}/{RUN_ID}/{TASK_ID}?map_index={MAP_INDEX}",
+            # Relative: the UI resolves it against its <base href> ([api] base_url), so a subpath works.
+            "href": "torchrun/view/{DAG_ID}/{RUN_ID}/{TASK_ID}?map_index={MAP_INDEX}",
             "destination": "task_instance",
             "url_route": VIEW_ROUTE,
         }

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from airflow_torchrun.worker.progress import ProgressRecord
+from airflow_torchrun.contract.progress import ProgressRecord
 
 DEFAULT_DATA_WAIT_THRESHOLD = 0.30
 DEFAULT_STRAGGLER_FACTOR = 1.3
@@ -152,9 +152,12 @@ class ProgressBoard:
         return tuple(sorted((rank, record.step) for rank, record in self.latest.items()))
 
     def add(self, records: Iterable[ProgressRecord]) -> tuple[list[Alert], list[Alert]]:
-        """Take new records; returns ``(alerts raised, alerts cleared)`` by this look."""
+        """Take new records; returns ``(alerts raised, alerts cleared)`` by this look. Event records
+        (a rank's rendezvous, its loop's start) are moments, not windows of steps: not taken."""
         fresh: set[int] = set()
         for record in records:
+            if not record.window:
+                continue
             known = self.latest.get(record.rank)
             if known is None or (record.step, record.time) > (known.step, known.time):
                 self.latest[record.rank] = record
@@ -249,7 +252,9 @@ class ProgressBoard:
         total = max(totals) if totals else None
         rates = [r.samples_per_s for r in records if r.samples_per_s]
         walls = [r.step_time for r in records if r.step_time]
-        times = self._times(judged_only=False)
+        # Past their warm-up record only: a rank's first window holds its share of connecting the
+        # group, which made a rank "263.5x the median" from its first step alone.
+        times = self._times()
         waits = [r.data_wait for r in records if r.data_wait is not None]
         eta = None
         if total is not None and walls:
@@ -272,22 +277,24 @@ class ProgressBoard:
     def summary_line(self) -> str | None:
         """``step 1200/5000 (24%) | 3,400 samples/s | ETA 14m | data wait 12% | slowest rank 3 (1.4x median step)``."""
         s = self.summary()
-        if s is None:
-            return None
-        parts = [
-            f"step {s.step}/{s.total_steps} ({100 * s.step / s.total_steps:.0f}%)"
-            if s.total_steps
-            else f"step {s.step}"
-        ]
-        if s.samples_per_s is not None:
-            parts.append(f"{s.samples_per_s:,.0f} samples/s")
-        if s.eta_s is not None:
-            parts.append(f"ETA {_duration(s.eta_s)}")
-        if s.data_wait is not None:
-            parts.append(f"data wait {s.data_wait:.0%}")
-        if s.slowest_rank is not None and s.slowest_ratio is not None:
-            parts.append(f"slowest rank {s.slowest_rank} ({s.slowest_ratio:.1f}x median step)")
-        return " | ".join(parts)
+        return None if s is None else format_summary(s)
+
+
+def format_summary(s: ProgressSummary, *, reached: int | None = None) -> str:
+    """The summary line; ``reached``: the group ended, at that step (no ETA: nothing is left to wait for)."""
+    step = s.step if reached is None else reached
+    head = "reached step" if reached is not None else "step"
+    total = s.total_steps
+    parts = [f"{head} {step}/{total} ({100 * step / total:.0f}%)" if total else f"{head} {step}"]
+    if s.samples_per_s is not None:
+        parts.append(f"{s.samples_per_s:,.0f} samples/s")
+    if s.eta_s is not None and reached is None:
+        parts.append(f"ETA {_duration(s.eta_s)}")
+    if s.data_wait is not None:
+        parts.append(f"data wait {s.data_wait:.0%}")
+    if s.slowest_rank is not None and s.slowest_ratio is not None:
+        parts.append(f"slowest rank {s.slowest_rank} ({s.slowest_ratio:.1f}x median step)")
+    return " | ".join(parts)
 
 
 def replay(

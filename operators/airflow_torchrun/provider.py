@@ -1,4 +1,6 @@
-"""Provider metadata, so ``airflow providers list`` shows airflow-torchrun and its config options."""
+"""Provider metadata: ``airflow providers list`` and ``airflow providers get airflow-torchrun --full``
+show airflow-torchrun, its integration (with its how-to page and tags), operators, triggers, extra
+links, the task decorator, the plugin and the ``[torchrun]`` config options."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ CONFIG_OPTIONS = {
     ),
     "state_dir": _option(
         "Local state: each local group's logs and status files, default checkpoints, shards and the default "
-        "MLflow store. Default ~/.airflow-torchrun.",
+        "MLflow store. Default <AIRFLOW_HOME>/torchrun (one per Airflow home, never shared by two).",
         None,
         "/var/lib/airflow/torchrun",
     ),
@@ -71,11 +73,22 @@ CONFIG_OPTIONS = {
         "YAML file of named runtimes for the Kubernetes backend.", None, "/opt/airflow/config/torchrun-runtimes.yaml"
     ),
     "runtimes_variable": _option(
-        "Airflow Variable holding runtimes (JSON or YAML), read when no file is set.", "torchrun_runtimes"
+        "Airflow Variable holding more runtimes (JSON or YAML); unset: no Variable is read. Every user with "
+        "Variable access can edit it, so its runtimes may only add to the file's, within the file's "
+        "_variable_policy.",
+        None,
+        "torchrun_runtimes",
     ),
     "default_runtime": _option("Runtime used when an operator on the Kubernetes backend names none.", "cpu"),
     "kubernetes_conn_id": _option("Airflow connection of the cluster.", "kubernetes_default"),
     "kubernetes_namespace": _option("Namespace of the training Jobs.", "default", "ml-training"),
+    "kubernetes_view_namespaces": _option(
+        "Namespaces besides kubernetes_namespace whose groups the Training view may read (comma-separated): "
+        "those of tasks that set namespace= themselves. The view never reads a namespace a group's XCom names "
+        "unless it is listed here.",
+        None,
+        "ml-research,ml-batch",
+    ),
     "deployment": _option(
         "This Airflow deployment's name in its Jobs' identity and labels (a Kubernetes label value), the same "
         "on all of its workers. Unset, a deployment makes a name of its own on first use and keeps it in the "
@@ -86,25 +99,42 @@ CONFIG_OPTIONS = {
 }
 
 
+#: The integration's how-to pages, as paths from the repository root (``/docs/...``, the form
+#: Airflow's provider schema asks for); tests/test_provider_info.py checks that each one exists.
+HOW_TO_GUIDES = ["/docs/howto.md"]
+TAGS = ["software", "machine-learning", "pytorch", "distributed-training"]
+
+
 def get_provider_info() -> dict[str, Any]:
-    modules = ["training", "evaluate", "shard", "register"]
+    modules = ["training", "evaluate", "shard", "register", "approval"]
     return {
         "package-name": "airflow-torchrun",
         "name": "airflow-torchrun",
         "description": "Distributed PyTorch training (torchrun) as one Airflow task.",
         "versions": [__version__],
         "integrations": [
-            {"integration-name": "torchrun", "external-doc-url": "https://pytorch.org/docs/stable/elastic/run.html"}
+            {
+                "integration-name": "torchrun",
+                "external-doc-url": "https://pytorch.org/docs/stable/elastic/run.html",
+                "how-to-guide": HOW_TO_GUIDES,
+                "tags": TAGS,
+            }
         ],
         "operators": [
             {"integration-name": "torchrun", "python-modules": [f"airflow_torchrun.operators.{m}" for m in modules]}
         ],
-        "triggers": [{"integration-name": "torchrun", "python-modules": ["airflow_torchrun.triggers"]}],
+        "triggers": [
+            {
+                "integration-name": "torchrun",
+                "python-modules": ["airflow_torchrun.triggers", "airflow_torchrun.watchers"],
+            }
+        ],
         "extra-links": [
             "airflow_torchrun.links.MlflowRunLink",
             "airflow_torchrun.links.CheckpointLink",
             "airflow_torchrun.links.ModelVersionLink",
         ],
         "task-decorators": [{"name": "torchrun", "class-name": "airflow_torchrun.decorators.torchrun_task"}],
+        "plugins": [{"name": "airflow_torchrun", "plugin-class": "airflow_torchrun.plugin.TorchrunPlugin"}],
         "config": {"torchrun": {"description": "Defaults for airflow-torchrun.", "options": CONFIG_OPTIONS}},
     }

@@ -7,18 +7,75 @@ values are known then and again once templates are rendered.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
-from airflow_torchrun.checkpoint import RESUME_AUTO, RESUME_NEVER, parse_uri
+from airflow_torchrun.backends import backend_class, backend_names
 from airflow_torchrun.errors import InvalidSpecError, StorageError
-from airflow_torchrun.spec import GroupSpec, is_templated
+from airflow_torchrun.spec import (
+    DEFAULT_RDZV_TIMEOUT,
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TEARDOWN_GRACE,
+    GroupSpec,
+    is_templated,
+)
+from airflow_torchrun.storage.lineage import RESUME_AUTO, RESUME_NEVER
+from airflow_torchrun.storage.uri import parse_uri
 from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
 
 DEFAULT_DEFER_AFTER = 60.0
 DEFAULT_PREFLIGHT_BUDGET = 120.0
+
+
+def flag(name: str, value: object, problems: list[str], *, allow_none: bool = False) -> Any:
+    """A yes/no argument: ``True`` or ``False`` (``"true"``/``"false"`` from a rendered template too).
+    Anything else is a problem listed with the task's others: ``bool("false")`` is True, so a flag
+    is never taken by truthiness."""
+    if isinstance(value, bool) or (value is None and allow_none):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    allowed = "True, False or None" if allow_none else "True or False"
+    problems.append(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+    return False if not allow_none else None
+
+
+def seconds_or_none(name: str, value: object, problems: list[str]) -> float | None:
+    """A positive duration: seconds (a number) or a ``timedelta``; ``None`` stays None. Anything
+    else is a problem listed with the task's others."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    problems.append(f"{name} must be a positive number of seconds, a timedelta or None, got {value!r}")
+    return None
+
+
+def exit_codes(value: object) -> tuple[Any, ...]:
+    """Exit codes as a tuple (validated with the settings, so a bad value is listed, not raised here)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence | set | frozenset):
+        return (value,)
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How the agents meet and stop (checked with the spec, which they become part of)."""
+
+    rdzv_port: int | None = None
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    teardown_grace: float = DEFAULT_TEARDOWN_GRACE
+    threads_per_proc: int | None = None
+
+    def spec_arguments(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -50,38 +107,6 @@ class CheckpointSettings:
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # The [torchrun] checkpoint_base in effect, where checkpoint_uri is None (for the checks only).
     default_base: str | None = None
-
-
-@dataclass(frozen=True)
-class KubernetesSettings:
-    namespace: str | None = None
-    kubernetes_conn_id: str | None = None
-    all_ranks_logs: bool = False
-    # The task's execution_timeout: the Job's own activeDeadlineSeconds.
-    active_deadline_seconds: float | None = None
-
-
-def _local_uri(uri: str) -> bool:
-    return uri.startswith("file:") or "://" not in uri
-
-
-def local_tracking_store(uri: str) -> bool:
-    """An MLflow tracking URI that names a store on this machine (SQLite, a file store, a path)."""
-    if uri == "databricks" or uri.startswith("databricks"):
-        return False
-    return uri.startswith("sqlite:") or _local_uri(uri)
-
-
-def kubernetes_tracking_problems(tracking_uri: str) -> list[str]:
-    """Rank 0 logs into the tracking store from a pod: it must be a server the pods reach."""
-    if not local_tracking_store(tracking_uri):
-        return []
-    return [
-        f"the MLflow tracking URI {tracking_uri!r} is a store on the Airflow worker's disk, which the pods (rank 0 "
-        "logs there) cannot reach; give mlflow_tracking_uri='http://<mlflow server>:5000' (or set "
-        "MLFLOW_TRACKING_URI / [torchrun] mlflow_tracking_uri) to a tracking server that both the worker and the "
-        "pods reach, or track=False"
-    ]
 
 
 def _number(problems: list[str], name: str, value: object, *, allow_none: bool = False, zero: bool = False) -> float:
@@ -122,7 +147,7 @@ def run_problems(w: RunSettings) -> list[str]:
     return problems
 
 
-def checkpoint_problems(c: CheckpointSettings, backend: str) -> list[str]:
+def checkpoint_problems(c: CheckpointSettings) -> list[str]:
     problems: list[str] = []
     k = c.keep_last
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -138,19 +163,6 @@ def checkpoint_problems(c: CheckpointSettings, backend: str) -> list[str]:
             parse_uri(value)
         except StorageError as exc:
             problems.append(f"{name}: {exc}")
-    uri = c.checkpoint_uri
-    if backend == "kubernetes" and isinstance(uri, str) and not is_templated(uri) and _local_uri(uri):
-        problems.append(
-            f"checkpoint_uri {uri!r} is a local path, which pods on other machines cannot share; "
-            "give checkpoint_uri='s3://...' or set [torchrun] checkpoint_base to shared storage"
-        )
-    base = c.default_base
-    if backend == "kubernetes" and uri is None and base is not None and _local_uri(base):
-        problems.append(
-            f"checkpoint_uri is not set, and the default root [torchrun] checkpoint_base ({base}) is a local "
-            "path, which pods on other machines cannot share (a retry could not resume); give "
-            "checkpoint_uri='s3://bucket/prefix', or set [torchrun] checkpoint_base to shared storage (s3://...)"
-        )
     return problems
 
 
@@ -177,11 +189,18 @@ def validate_task(
         spec = make_spec()
     except InvalidSpecError as exc:
         problems += exc.problems
+    if spec is not None and not is_templated(spec.backend) and not is_templated(spec.script):
+        problems += backend_class(spec.backend).spec_problems(spec)
     problems += run_problems(run)
-    if checkpoint is not None and not is_templated(backend):
-        problems += checkpoint_problems(checkpoint, backend)
-    if tracking_uri is not None and backend == "kubernetes":
-        problems += kubernetes_tracking_problems(tracking_uri)
+    if checkpoint is not None:
+        problems += checkpoint_problems(checkpoint)
+    if not is_templated(backend) and backend in backend_names():
+        uri = checkpoint.checkpoint_uri if checkpoint is not None else None
+        problems += backend_class(backend).task_problems(
+            checkpoint_uri=uri if isinstance(uri, str) and not is_templated(uri) else None,
+            default_checkpoint_base=checkpoint.default_base if checkpoint is not None and uri is None else None,
+            tracking_uri=tracking_uri,
+        )
     if problems:
         raise InvalidSpecError(problems, where)
     return spec

@@ -26,13 +26,14 @@ import io
 import json
 import logging
 import os
-import re
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from airflow_torchrun.errors import TorchrunError
+from airflow_torchrun.errors import StorageError, TorchrunError
+from airflow_torchrun.naming import join
+from airflow_torchrun.storage.uri import absolute_uri, url_filesystem
 
 if TYPE_CHECKING:
     import numpy as np
@@ -237,41 +238,15 @@ def split_indices(
     return shards, eval_idx
 
 
-# -- reading --------------------------------------------------------------------------------------
-def filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
-    """The fsspec filesystem and the path inside it for ``uri``.
-
-    For ``s3://`` the endpoint in ``AWS_ENDPOINT_URL`` is used (as for checkpoints), overridden
-    by ``storage_options``; credentials come from botocore's usual chain.
-    """
-    from fsspec.core import url_to_fs
-
-    options = dict(storage_options or {})
-    if uri.startswith(("s3://", "s3a://")):
-        from airflow_torchrun.checkpoint import s3_options_from_env
-
-        options = {**s3_options_from_env(), **options}
+def _filesystem(uri: str, storage_options: Mapping[str, Any] | None) -> tuple[AbstractFileSystem, str]:
     try:
-        return url_to_fs(uri, **options)
-    except (ImportError, ValueError) as exc:
-        raise DatasetError(
-            f"cannot open {uri!r}: {exc}. For s3:// install s3fs (pip install 'airflow-torchrun[s3]')"
-        ) from exc
-
-
-def absolute_uri(uri: str) -> str:
-    """``uri`` with a local relative path made absolute, so ranks in other directories find it."""
-    if "://" in uri:
-        return uri.rstrip("/") or uri
-    return os.path.abspath(uri)
-
-
-def join_uri(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}"
+        return url_filesystem(uri, storage_options)
+    except StorageError as exc:
+        raise DatasetError(str(exc)) from exc
 
 
 def _read_bytes(uri: str, storage_options: Mapping[str, Any] | None, what: str) -> bytes:
-    fs, path = filesystem(uri, storage_options)
+    fs, path = _filesystem(uri, storage_options)
     try:
         with fs.open(path, "rb") as f:
             data: bytes = f.read()
@@ -467,9 +442,9 @@ def shard_dataset(
 
     data = _read_bytes(source_uri, storage_options, "dataset")
     source_sha = hashlib.sha256(data).hexdigest()
-    out_fs, out_path = filesystem(output_uri, storage_options)
-    manifest_uri = join_uri(output_uri, MANIFEST_NAME)
-    manifest_path = join_uri(out_path, MANIFEST_NAME)
+    out_fs, out_path = _filesystem(output_uri, storage_options)
+    manifest_uri = join(output_uri, MANIFEST_NAME)
+    manifest_path = join(out_path, MANIFEST_NAME)
     request = {
         "source_uri": source_uri,
         "source_sha256": source_sha,
@@ -496,9 +471,9 @@ def shard_dataset(
 
     def write(name: str, indices: np.ndarray) -> ShardFile:
         payload = encode_rows(table, fmt, indices)
-        _write_atomic(out_fs, join_uri(out_path, name), payload)
+        _write_atomic(out_fs, join(out_path, name), payload)
         return ShardFile(
-            uri=join_uri(output_uri, name),
+            uri=join(output_uri, name),
             rows=len(indices),
             bytes=len(payload),
             sha256=hashlib.sha256(payload).hexdigest(),
@@ -572,12 +547,3 @@ def concat_columns(parts: Sequence[Columns]) -> Columns:
     import numpy as np
 
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
-
-
-def safe_segment(value: str) -> str:
-    """``value`` usable as one path segment on every store (run ids hold ``:`` and ``+``)."""
-    cleaned = _UNSAFE.sub("_", value).strip("_.")
-    return cleaned or "_"

@@ -9,13 +9,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 
+from airflow_torchrun.backends import DEFAULT_BACKEND, backend_names
 from airflow_torchrun.contract import CONTRACT_ENV
 from airflow_torchrun.errors import InvalidSpecError
 
-BACKENDS = ("local", "kubernetes")
 DEFAULT_RDZV_TIMEOUT = 900.0
 DEFAULT_STARTUP_TIMEOUT = 600.0
 DEFAULT_TEARDOWN_GRACE = 10.0
@@ -60,7 +59,7 @@ class GroupSpec:
     command: tuple[str, ...] = ()
     script_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    backend: str = "local"
+    backend: str = DEFAULT_BACKEND
     runtime: str | None = None
     rdzv_port: int | None = None
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
@@ -82,7 +81,7 @@ class GroupSpec:
         command: object = None,
         script_args: object = (),
         env: object = None,
-        backend: object = "local",
+        backend: object = DEFAULT_BACKEND,
         runtime: object = None,
         rdzv_port: object = None,
         rdzv_timeout: object = DEFAULT_RDZV_TIMEOUT,
@@ -176,11 +175,12 @@ class GroupSpec:
                     continue
                 env_map[key] = str(value)
 
+        names = backend_names()
         if allow_templates and is_templated(backend):
             backend_str = str(backend)  # checked again once rendered
-        elif not isinstance(backend, str) or backend not in BACKENDS:
-            problems.append(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-            backend_str = "local"
+        elif not isinstance(backend, str) or backend not in names:
+            problems.append(f"backend {backend!r} is unknown; choose one of {', '.join(names)}")
+            backend_str = DEFAULT_BACKEND
         else:
             backend_str = backend
 
@@ -227,17 +227,11 @@ class GroupSpec:
         return spec
 
     def check_rendered(self, where: str = "", *, allow_templates: bool = False) -> None:
-        """Checks that need final values: no Jinja left, and a local script must exist."""
+        """Checks that need final values: no Jinja left (what a backend cannot run is its own
+        question: :meth:`Backend.spec_problems <airflow_torchrun.backends.base.Backend.spec_problems>`)."""
         problems = []
         leftovers = [v for v in (self.script, *self.command, *self.script_args, *self.env.values()) if is_templated(v)]
         if leftovers and not allow_templates:
             problems.append(f"values still hold template markup after rendering: {leftovers!r}")
-        if self.backend == "local" and self.script and not is_templated(self.script):
-            path = Path(self.script)
-            if not path.is_file():
-                problems.append(
-                    f"script {self.script!r} does not exist (resolved to {path.resolve()}); "
-                    "give an absolute path, or a path relative to the directory the worker runs in"
-                )
         if problems:
             raise InvalidSpecError(problems, where)

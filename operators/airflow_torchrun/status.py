@@ -32,20 +32,40 @@ class NodeObservation:
     stopped_by: str | None = None  # the node was stopped on purpose (teardown, kill)
 
 
-class GroupState(StrEnum):
+class Outcome(StrEnum):
+    """Where a group stands, or how watching it ended: one enum for the group's status, the watch's
+    verdict and the trigger's event. :func:`group_status` gives the first four; the watch adds the rest."""
+
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STARTUP_TIMEOUT = "startup_timeout"
+    PROGRESS_TIMEOUT = "progress_timeout"  # no progress for progress_timeout seconds
+    TIMEOUT = "timeout"  # the task's execution_timeout (the watch's deadline) passed
+    ERROR = "error"  # the group could not be observed; its state is unknown
 
     @property
     def terminal(self) -> bool:
-        return self is not GroupState.RUNNING
+        return self is not Outcome.RUNNING
+
+    @property
+    def ok(self) -> bool:
+        return self is Outcome.SUCCEEDED
+
+
+@dataclass(frozen=True)
+class ProgressMark:
+    """What a backend sees of its ranks' output, to tell a hang from progress: ``token`` changes
+    whenever they wrote more (a log's size, a pod's last log line's time), ``output`` says whether
+    they wrote anything at all yet (before that a group is starting, not hung)."""
+
+    token: tuple[object, ...]
+    output: bool
 
 
 @dataclass(frozen=True)
 class GroupStatus:
-    state: GroupState
+    state: Outcome
     nodes: tuple[NodeObservation, ...] = field(default=())
     failed_node: int | None = None
     reason: str = ""
@@ -68,21 +88,21 @@ def group_status(
     failed = [n for n in nodes if n.phase in (NodePhase.FAILED, NodePhase.LOST)]
     if failed:
         first = min(failed, key=lambda n: (n.stopped_by is not None, n.finished_at or now, n.node_rank))
-        return GroupStatus(GroupState.FAILED, nodes, first.node_rank, describe_node(first))
+        return GroupStatus(Outcome.FAILED, nodes, first.node_rank, describe_node(first))
     if nodes and all(n.phase is NodePhase.SUCCEEDED for n in nodes):
-        return GroupStatus(GroupState.SUCCEEDED, nodes)
+        return GroupStatus(Outcome.SUCCEEDED, nodes)
     pending = [n for n in nodes if n.phase is NodePhase.PENDING]
     if pending and now - launched_at > startup_timeout:
         names = ", ".join(str(n.node_rank) for n in pending)
         reasons = sorted({n.reason for n in pending if n.reason})
         why = f" ({'; '.join(reasons)})" if reasons else ""
         return GroupStatus(
-            GroupState.STARTUP_TIMEOUT,
+            Outcome.STARTUP_TIMEOUT,
             nodes,
             pending[0].node_rank,
             f"node(s) {names} did not start within startup_timeout={startup_timeout:g}s{why}",
         )
-    return GroupStatus(GroupState.RUNNING, nodes)
+    return GroupStatus(Outcome.RUNNING, nodes)
 
 
 def describe_node(node: NodeObservation) -> str:

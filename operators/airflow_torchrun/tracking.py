@@ -29,9 +29,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from airflow_torchrun import contract
 from airflow_torchrun.errors import TrackingError, is_transient, retry_transient
+from airflow_torchrun.mlflow_http import bounded_requests
+from airflow_torchrun.naming import digest
+from airflow_torchrun.redaction import credentials_in, redact, without_credentials
 from airflow_torchrun.state import state_dir
-from airflow_torchrun.worker.tracking import bounded_requests
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -68,7 +71,7 @@ def default_tracking_uri() -> str:
 
 def resolve_tracking_uri(tracking_uri: str | None = None) -> str:
     """The tracking URI to use (see the module docstring for the order)."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = tracking_uri or os.environ.get(contract.MLFLOW_TRACKING_URI)
     if not uri:
         from airflow_torchrun.compat import conf
 
@@ -83,7 +86,7 @@ def tracking_configured(tracking_uri: str | None = None) -> bool:
     """Whether a tracking server is configured: the argument, ``$MLFLOW_TRACKING_URI`` or
     ``[torchrun] mlflow_tracking_uri`` (the SQLite default in the state directory does not count).
     A training task with ``track=None`` creates an MLflow run only then."""
-    if tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+    if tracking_uri or os.environ.get(contract.MLFLOW_TRACKING_URI):
         return True
     from airflow_torchrun.compat import conf
 
@@ -104,6 +107,15 @@ def check_tracking_uri(tracking_uri: str, timeout: float = DEFAULT_CHECK_TIMEOUT
     any other HTTP answer counts as reachable. For SQLite the directory is created (a permanent
     :class:`TrackingError` when it cannot be).
     """
+    try:
+        _check_tracking_uri(tracking_uri, timeout)
+    except TrackingError as exc:
+        if not credentials_in(tracking_uri):
+            raise
+        raise TrackingError(redact(str(exc), tracking_uri), transient=exc.transient) from None
+
+
+def _check_tracking_uri(tracking_uri: str, timeout: float) -> None:
     if tracking_uri.startswith(("http://", "https://")):
         url = tracking_uri.rstrip("/") + "/health"
         try:
@@ -140,7 +152,17 @@ def check_tracking_uri(tracking_uri: str, timeout: float = DEFAULT_CHECK_TIMEOUT
 
 
 def tracking_error(exc: BaseException, doing: str, tracking_uri: str) -> TrackingError:
-    """``exc`` from MLflow as a :class:`TrackingError`, transient as :func:`is_transient` says."""
+    """``exc`` from MLflow as a :class:`TrackingError`, transient as :func:`is_transient` says; the
+    URI's credentials never in its message."""
+    error = _tracking_error(exc, doing, tracking_uri)
+    return (
+        error
+        if not credentials_in(tracking_uri)
+        else TrackingError(redact(str(error), tracking_uri), transient=error.transient)
+    )
+
+
+def _tracking_error(exc: BaseException, doing: str, tracking_uri: str) -> TrackingError:
     if isinstance(exc, TrackingError):
         return exc
     if is_transient(exc):
@@ -174,9 +196,9 @@ def artifact_location(tracking_uri: str, experiment_name: str) -> str | None:
     db = _sqlite_path(tracking_uri)
     if db is None:
         return None
-    from airflow_torchrun.sharding import safe_segment
+    from airflow_torchrun.naming import segment
 
-    return (db.parent / "artifacts" / safe_segment(experiment_name)).resolve().as_uri()
+    return (db.parent / "artifacts" / segment(experiment_name)).resolve().as_uri()
 
 
 def client(tracking_uri: str | None = None) -> MlflowClient:
@@ -190,15 +212,15 @@ def client(tracking_uri: str | None = None) -> MlflowClient:
     # (MLflow 3), which otherwise defaults to ./mlflow.db of whatever the working directory is.
     # MLflow also exports it as $MLFLOW_TRACKING_URI "for subprocesses": the next task run in this
     # process (dag.test() runs every task in one) would then resolve this URI instead of its own.
-    exported = os.environ.get("MLFLOW_TRACKING_URI")
+    exported = os.environ.get(contract.MLFLOW_TRACKING_URI)
     try:
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
     finally:
         if exported is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
+            os.environ.pop(contract.MLFLOW_TRACKING_URI, None)
         else:
-            os.environ["MLFLOW_TRACKING_URI"] = exported
+            os.environ[contract.MLFLOW_TRACKING_URI] = exported
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -324,7 +346,7 @@ def _ensure_run(context: Mapping[str, Any], experiment_name: str | None, trackin
 
 def rank_env(run_id: str, tracking_uri: str | None = None) -> dict[str, str]:
     """What every rank needs to log into ``run_id``: ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``."""
-    return {"MLFLOW_TRACKING_URI": resolve_tracking_uri(tracking_uri), "MLFLOW_RUN_ID": run_id}
+    return {contract.MLFLOW_TRACKING_URI: resolve_tracking_uri(tracking_uri), contract.MLFLOW_RUN_ID: run_id}
 
 
 def finish_run(
@@ -369,7 +391,7 @@ def finish_run(
                 "its current status (set it in the MLflow UI if it matters)",
                 run_id,
                 status,
-                exc,
+                redact(str(exc), uri),
             )
             return False
         tries = str(try_number) if try_number is not None else _tries.get(run_id)
@@ -380,8 +402,8 @@ def finish_run(
             run_id,
             status,
             budget,
-            exc,
-            uri,
+            redact(str(exc), uri),
+            redact(uri, uri),
             f"recorded in {where}" if where else "could not record it: close it in the MLflow UI",
         )
         return False
@@ -394,7 +416,15 @@ def _unfinished_dir() -> Path:
 
 
 def _remember_unfinished(uri: str, run_id: str, status: str, end_ms: int, try_number: str | None) -> Path | None:
-    record = {"tracking_uri": uri, "run_id": run_id, "status": status, "end_time": end_ms, "try_number": try_number}
+    # The record is a file on this machine: the URI's credentials stay out of it (matched by digest).
+    record = {
+        "tracking_uri": redact(uri, uri),
+        "tracking_uri_digest": digest(uri, length=32),
+        "run_id": run_id,
+        "status": status,
+        "end_time": end_ms,
+        "try_number": try_number,
+    }
     path = _unfinished_dir() / f"{run_id}.json"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -423,7 +453,11 @@ def unfinished_runs(tracking_uri: str | None = None) -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and (tracking_uri is None or record.get("tracking_uri") == tracking_uri):
+        if not isinstance(record, dict):
+            continue
+        same = tracking_uri is not None and record.get("tracking_uri_digest") == digest(tracking_uri, length=32)
+        legacy = tracking_uri is not None and record.get("tracking_uri") == tracking_uri
+        if tracking_uri is None or same or legacy:
             records.append(record)
     return records
 
@@ -466,7 +500,8 @@ def run_url(run_id: str, tracking_uri: str | None = None) -> str:
     from airflow_torchrun.compat import conf
 
     uri = resolve_tracking_uri(tracking_uri)
-    base = uri if uri.startswith(("http://", "https://")) else None
+    # A link people open (and XCom holds): the server's address, never its credentials.
+    base = without_credentials(uri) if uri.startswith(("http://", "https://")) else None
     base = conf.get("torchrun", "mlflow_ui_url", fallback=None) or base or "http://localhost:5000"
     experiment_id = client(uri).get_run(run_id).info.experiment_id
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"

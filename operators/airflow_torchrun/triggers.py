@@ -25,28 +25,28 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_torchrun.backends.base import backend_from_handle
 from airflow_torchrun.backends.handles import GroupHandle
 from airflow_torchrun.progress import ProgressThresholds
-from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase
-from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Note, Outcome, Verdict, Watch, WatchConfig, read_records_async
-
-# The event's status is the watch's outcome.
-GroupEventStatus = Outcome
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, Outcome
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Note, Verdict, Watch, WatchConfig, watch_async
 
 
 @dataclass(frozen=True)
 class GroupEvent:
     """The one event a :class:`GroupTrigger` fires. Its payload is derived from the fields.
 
-    It carries the handle and what every node was last seen doing, so the operator's re-entry
-    rebuilds its state from the event alone (:meth:`group_status`), not from memory or XCom.
+    It carries the handle, what every node was last seen doing and ``carry`` (what the operator
+    handed the trigger when it deferred: the try's launches so far, its rank contract's state), so
+    the operator's re-entry rebuilds its state from the event alone, not from memory or XCom.
     """
 
-    status: GroupEventStatus
+    status: Outcome
     group_id: str
     handle: GroupHandle
     failed_node: int | None = None
     reason: str = ""
     nodes: tuple[NodeObservation, ...] = field(default=())
     transient: bool = True  # for ERROR: whether a retry may see the group again
+    carry: Mapping[str, Any] = field(default_factory=dict)
+    seen: Mapping[str, Any] = field(default_factory=dict)  # what the trigger's watch saw first (timeline)
 
     @property
     def node_exit_codes(self) -> list[int | None]:
@@ -54,7 +54,13 @@ class GroupEvent:
         return [n.exit_code for n in self.nodes]
 
     @classmethod
-    def from_verdict(cls, handle: GroupHandle, verdict: Verdict) -> GroupEvent:
+    def from_verdict(
+        cls,
+        handle: GroupHandle,
+        verdict: Verdict,
+        carry: Mapping[str, Any] | None = None,
+        seen: Mapping[str, Any] | None = None,
+    ) -> GroupEvent:
         return cls(
             status=verdict.outcome,
             group_id=handle.group_id,
@@ -63,6 +69,8 @@ class GroupEvent:
             reason=verdict.reason,
             nodes=verdict.nodes,
             transient=verdict.transient,
+            carry=dict(carry or {}),
+            seen=dict(seen or {}),
         )
 
     @classmethod
@@ -104,6 +112,10 @@ class GroupEvent:
         try:
             data = dict(payload)
             data["status"] = Outcome(data["status"])
+            if not Outcome(data["status"]).terminal:
+                raise ValueError("a group event's status is terminal")
+            data["carry"] = dict(data.get("carry") or {})
+            data["seen"] = dict(data.get("seen") or {})
             data["handle"] = GroupHandle.from_dict(data["handle"])
             data["nodes"] = tuple(
                 NodeObservation(**{**node, "phase": NodePhase(node["phase"])}) for node in data.get("nodes", ())
@@ -137,6 +149,7 @@ class GroupWatch:
     deadline: float | None = None  # epoch seconds: the task's execution_timeout
     error_budget: float = DEFAULT_ERROR_BUDGET
     not_before: float | None = None  # epoch seconds: the earliest moment to fire
+    carry: Mapping[str, Any] = field(default_factory=dict)  # handed back in the event, untouched
 
     @classmethod
     def create(cls, handle: Mapping[str, Any] | GroupHandle, **raw: object) -> GroupWatch:
@@ -151,8 +164,12 @@ class GroupWatch:
             except ValueError as exc:
                 problems.append(f"handle must be GroupHandle.to_dict() of a launched group: {exc}")
         values: dict[str, float | None] = {}
+        carry = raw.pop("carry", None) or {}
+        if not isinstance(carry, Mapping):
+            problems.append(f"carry must be a dict (JSON) for the re-entry, got {type(carry).__name__}")
+            carry = {}
         for f in fields(cls):
-            if f.name == "handle":
+            if f.name in ("handle", "carry"):
                 continue
             value = raw.get(f.name, f.default)
             optional = f.default is None
@@ -169,7 +186,7 @@ class GroupWatch:
             problems.append(f"unknown arguments {sorted(unknown)}")
         if problems or parsed is None:
             raise ValueError("GroupTrigger cannot watch this group:\n" + "\n".join(f"  - {p}" for p in problems))
-        return cls(handle=parsed, **values)  # type: ignore[arg-type]
+        return cls(handle=parsed, carry=dict(carry), **values)  # type: ignore[arg-type]
 
     def kwargs(self) -> dict[str, Any]:
         """The trigger's keyword arguments, JSON-native (what Airflow stores for a deferred task)."""
@@ -201,6 +218,8 @@ class GroupTrigger(BaseTrigger):
         the trigger gives up with ``error``; a permanent error gives up at once.
     :param not_before: Epoch seconds before which no event fires (a group that ended sooner is
         reported then).
+    :param carry: JSON the operator needs again on re-entry (the try's launches, its rank contract's
+        state); handed back untouched in the event.
     """
 
     def __init__(self, handle: Mapping[str, Any] | GroupHandle, **kwargs: object) -> None:
@@ -237,6 +256,7 @@ class GroupTrigger(BaseTrigger):
                 group_id=handle.group_id,
                 handle=handle,
                 reason=f"could not rebuild backend {handle.backend!r} for the group: {exc}",
+                carry=spec.carry,
             )
         self.log.info(
             "Watching group %s (%d node(s), backend %s) every %.2fs",
@@ -246,34 +266,15 @@ class GroupTrigger(BaseTrigger):
             spec.poll_interval,
         )
         watch = Watch.of(handle, spec.config(), time.time())
-        while True:
+        verdict = await watch_async(backend, handle, watch, emit=self._note)
+        if verdict.outcome in (Outcome.TIMEOUT, Outcome.PROGRESS_TIMEOUT):
+            # Decided: stop it now, not when a worker slot frees for the re-entry (which may never
+            # come if the task is marked failed meanwhile). Idempotent.
             try:
-                nodes = await backend.observe_async(handle)
+                await backend.teardown_async(handle)
             except Exception as exc:
-                step = watch.failed(exc, time.time())
-            else:
-                mark = None
-                if spec.progress_timeout is not None:
-                    try:
-                        mark = await backend.progress_mark_async(handle)
-                    except Exception as exc:  # no evidence of a hang: never a reason to give up
-                        self.log.warning("Group %s: could not tell its progress: %s", handle.group_id, exc)
-                records = await read_records_async(backend, handle, self._note)
-                step = watch.observed(nodes, mark, time.time(), records)
-            for note in step.notes:
-                self.log.log(note.level, "%s", note.message)
-            if step.verdict is not None:
-                if step.verdict.outcome in (Outcome.TIMEOUT, Outcome.PROGRESS_TIMEOUT):
-                    # Decided: stop it now, not when a worker slot frees for the re-entry (which
-                    # may never come if the task is marked failed meanwhile). Idempotent.
-                    try:
-                        await backend.teardown_async(handle)
-                    except Exception as exc:
-                        self.log.warning(
-                            "Group %s: teardown failed, the re-entry tries again: %s", handle.group_id, exc
-                        )
-                return GroupEvent.from_verdict(handle, step.verdict)
-            await asyncio.sleep(watch.pause())
+                self.log.warning("Group %s: teardown failed, the re-entry tries again: %s", handle.group_id, exc)
+        return GroupEvent.from_verdict(handle, verdict, spec.carry, watch.seen())
 
     def _note(self, note: Note) -> None:
         self.log.log(note.level, "%s", note.message)

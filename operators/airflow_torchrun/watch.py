@@ -1,9 +1,13 @@
-"""The one watch core: observations (and observation errors) in, decisions out. Pure.
+"""The one watch: a pure core that turns observations into decisions, one flow, two thin executors.
 
-The sync operator and the async trigger drive the same :class:`Watch` with a few-line loop
-(:func:`watch_sync` here, ``GroupTrigger.run`` in :mod:`airflow_torchrun.triggers`), so both
-modes keep waiting, time out, tolerate a flaky API and give up identically. Nothing here does
-I/O or reads a clock: every call takes ``now`` (epoch seconds).
+:class:`Watch` is the state machine: observations (and observation errors) in, decisions out; it
+does no I/O and reads no clock (every call takes ``now``). :func:`watch_flow` is the whole watch
+loop written once, as a generator that yields what to do next (:class:`Look` at the group,
+:class:`Pause`, or a :class:`Note` to log) and receives what a look saw. Two executors of a few
+lines drive it: :func:`watch_sync` in the worker (the operator's sync mode, and the first
+``defer_after`` seconds of a deferrable task) and :func:`watch_async` in the triggerer, which looks
+through the backend's async client. So both modes keep waiting, time out, tolerate a flaky API
+and give up identically: the executors only do what the flow asks.
 
 Decisions:
 - the group is terminal (succeeded, failed, could not start within ``startup_timeout``);
@@ -16,7 +20,7 @@ Decisions:
   (403, a malformed answer or status file) gives up at once. Giving up never claims the group
   failed: the verdict says its state is unknown.
 
-Progress records (:mod:`airflow_torchrun.worker.progress`) fed to :meth:`Watch.observed` go to a
+Progress records (:mod:`airflow_torchrun.contract.progress`) fed to :meth:`Watch.observed` go to a
 :class:`~airflow_torchrun.progress.ProgressBoard`: a summary line every ``progress_every`` seconds
 (``step 1200/5000 (24%) | 3,400 samples/s | ETA 14m | data wait 12% | slowest rank 3 (1.4x median
 step)``), and a warning when data starvation or a straggler sets in (and a line when it ends).
@@ -24,21 +28,23 @@ step)``), and a warning when data starvation or a straggler sets in (and a line 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from airflow_torchrun.contract.progress import ProgressRecord, parse_records
 from airflow_torchrun.errors import is_transient
 from airflow_torchrun.progress import ProgressBoard, ProgressThresholds
-from airflow_torchrun.status import GroupState, GroupStatus, NodeObservation, group_status
+from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, Outcome, ProgressMark, group_status
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
     from airflow_torchrun.backends.handles import GroupHandle
-    from airflow_torchrun.worker.progress import ProgressRecord
+
+T = TypeVar("T")
 
 DEFAULT_ERROR_BUDGET = 300.0
 # Longest pause between two looks while looks keep failing (see Watch.pause).
@@ -47,28 +53,6 @@ DEFAULT_HEARTBEAT = 60.0
 DEFAULT_PROGRESS_EVERY = 30.0
 # How often a run of failed looks is reported while it lasts (the first one always is).
 ERROR_REPORT_EVERY = 30.0
-
-
-class Outcome(StrEnum):
-    """How a watch ended."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STARTUP_TIMEOUT = "startup_timeout"
-    PROGRESS_TIMEOUT = "progress_timeout"  # no progress for progress_timeout seconds
-    TIMEOUT = "timeout"  # the task's execution_timeout (the watch's deadline) passed
-    ERROR = "error"  # the group could not be observed; its state is unknown
-
-    @property
-    def ok(self) -> bool:
-        return self is Outcome.SUCCEEDED
-
-
-_FROM_STATE = {
-    GroupState.SUCCEEDED: Outcome.SUCCEEDED,
-    GroupState.FAILED: Outcome.FAILED,
-    GroupState.STARTUP_TIMEOUT: Outcome.STARTUP_TIMEOUT,
-}
 
 
 @dataclass(frozen=True)
@@ -83,10 +67,7 @@ class Verdict:
 
     def group_status(self) -> GroupStatus:
         """As a group status, for ``Backend.explain`` (outcomes other than the group's own are failures)."""
-        state = {
-            Outcome.SUCCEEDED: GroupState.SUCCEEDED,
-            Outcome.STARTUP_TIMEOUT: GroupState.STARTUP_TIMEOUT,
-        }.get(self.outcome, GroupState.FAILED)
+        state = self.outcome if self.outcome in (Outcome.SUCCEEDED, Outcome.STARTUP_TIMEOUT) else Outcome.FAILED
         return GroupStatus(state, self.nodes, self.failed_node, self.reason)
 
 
@@ -125,10 +106,11 @@ class Watch:
     config: WatchConfig
     started_at: float
     _phases: tuple[str, ...] = ()
+    _waiting: tuple[tuple[int, str], ...] = ()
     _failing_since: float | None = None
     _failed_looks: int = 0
     _last_error_report: float = 0.0
-    _mark: object | None = None
+    _mark: tuple[object, ...] | None = None
     _progress_at: float = 0.0
     _told_no_progress: bool = False
     _alive: bool = False  # the progress mark changed since the first look
@@ -137,6 +119,12 @@ class Watch:
     board: ProgressBoard = field(default_factory=ProgressBoard)
     _summary_at: float | None = None
     _summary: str | None = None
+    # What this watch saw first (for the try's timeline): any rank's output (looked at), its
+    # first progress record (the rank's own time and step).
+    first_output_at: float | None = None
+    first_step_at: float | None = None
+    first_step: int | None = None
+    running_at: float | None = None  # every node past pending (the end of admission)
 
     @classmethod
     def of(cls, handle: GroupHandle, config: WatchConfig, now: float) -> Watch:
@@ -157,13 +145,14 @@ class Watch:
     def observed(
         self,
         nodes: list[NodeObservation],
-        mark: object | None,
+        mark: ProgressMark | None,
         now: float,
         records: Sequence[ProgressRecord] = (),
     ) -> Step:
         """One successful look: ``nodes`` as seen, ``mark`` the backend's progress mark (or None),
         ``records`` the progress records the ranks wrote since the last look."""
         notes: list[Note] = []
+        self._firsts(mark, records, now)
         self._progressed(records, now, notes)
         if self._failing_since is not None:
             notes.append(
@@ -176,25 +165,27 @@ class Watch:
             self._failing_since, self._failed_looks = None, 0
         status = group_status(nodes, launched_at=self.launched_at, now=now, startup_timeout=self.startup_timeout)
         self._nodes = status.nodes
+        if self.running_at is None and status.nodes and all(n.phase is not NodePhase.PENDING for n in status.nodes):
+            self.running_at = now
         phases = tuple(n.phase.value for n in status.nodes)
         if phases != self._phases:
             self._phases = phases
             notes.append(Note(logging.INFO, f"Group {self.group_id} nodes: {', '.join(phases)}"))
+        waiting = tuple((n.node_rank, n.reason) for n in status.nodes if n.phase is NodePhase.PENDING and n.reason)
+        if waiting != self._waiting:
+            # Why pending nodes wait (Kueue's admission message, the scheduler's, an image pull):
+            # what a user looking at a group that does not start needs, before any timeout.
+            self._waiting = waiting
+            if waiting:
+                notes.append(Note(logging.INFO, f"Group {self.group_id} waiting: {_grouped(waiting)}"))
         if status.state.terminal:
-            if status.state is not GroupState.SUCCEEDED:
+            if status.state is not Outcome.SUCCEEDED:
                 notes.append(Note(logging.ERROR, f"Group {self.group_id} {status.state.value}: {status.reason}"))
-            return Step(
-                Verdict(_FROM_STATE[status.state], status.reason, status.nodes, status.failed_node), tuple(notes)
-            )
+            return Step(Verdict(status.state, status.reason, status.nodes, status.failed_node), tuple(notes))
         # A new step in the records, or output (log growth): either is progress. Steps alone would
         # call a long phase between or after steps (an evaluation, the final upload) a hang and tear
         # a healthy group down, again on every retry.
-        evidence = (
-            (self.board.mark(), mark)
-            if self.board.seen and mark is not None
-            else (self.board.mark() if self.board.seen else mark)
-        )
-        verdict = self._deadline(now) or self._progress(evidence, now, notes)
+        verdict = self._deadline(now) or self._progress(self._evidence(mark), now, notes)
         if verdict is None and now - self._heartbeat_at >= self.config.heartbeat:
             self._heartbeat_at = now
             notes.append(
@@ -244,6 +235,23 @@ class Watch:
         return Step(self._deadline(now), notes)
 
     # -- decisions ----------------------------------------------------------------------------
+    def _firsts(self, mark: ProgressMark | None, records: Sequence[ProgressRecord], now: float) -> None:
+        if self.first_output_at is None and ((mark is not None and mark.output) or records):
+            self.first_output_at = now
+        windows = [r for r in records if r.window]  # an event record (rendezvous, loop start) is no step
+        if self.first_step_at is None and windows:
+            first = min(windows, key=lambda r: r.time)
+            self.first_step_at, self.first_step = first.time, first.step
+
+    def seen(self) -> dict[str, float | int]:
+        """What this watch saw first, for the try's timeline (the event carries it from the triggerer)."""
+        out: dict[str, float | int] = {}
+        for name in ("first_output_at", "first_step_at", "first_step", "running_at"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
     def _progressed(self, records: Sequence[ProgressRecord], now: float, notes: list[Note]) -> None:
         # One record at a time, in time order: a batch (a first look at a long log, a triggerer
         # restart) is judged as the stream it was, not by its last records alone.
@@ -271,7 +279,15 @@ class Watch:
             )
         return None
 
-    def _progress(self, mark: object | None, now: float, notes: list[Note]) -> Verdict | None:
+    def _evidence(self, mark: ProgressMark | None) -> ProgressMark | None:
+        """The ranks' steps (progress records) and the backend's mark together: a new step or new
+        output is progress."""
+        if not self.board.seen:
+            return mark
+        steps = self.board.mark()
+        return ProgressMark((steps,), True) if mark is None else ProgressMark((steps, mark.token), True)
+
+    def _progress(self, mark: ProgressMark | None, now: float, notes: list[Note]) -> Verdict | None:
         limit = self.config.progress_timeout
         if limit is None:
             return None
@@ -288,10 +304,10 @@ class Watch:
                 )
             self._progress_at = now
             return None
-        if mark != self._mark:
+        if mark.token != self._mark:
             # A sign of life is output, not a change: a node's log appearing empty is none.
-            self._alive = self._alive or shows_output(mark)
-            self._mark, self._progress_at = mark, now
+            self._alive = self._alive or mark.output
+            self._mark, self._progress_at = mark.token, now
             return None
         # Before its first sign of life a group is starting (interpreter, imports, data, rendezvous),
         # not hung: it gets startup_timeout for that, so a slow start is never torn down as a hang.
@@ -308,24 +324,90 @@ class Watch:
         return None
 
 
-def shows_output(mark: object) -> bool:
-    """Whether a backend's progress mark already shows output: a log size above 0 (local, one per
-    node), a last log line's timestamp (Kubernetes, ``(node_rank, timestamp)`` per running node),
-    a step (progress records)."""
-    if isinstance(mark, tuple) and len(mark) == 2 and isinstance(mark[0], int) and isinstance(mark[1], str):
-        return bool(mark[1])
-    if isinstance(mark, tuple | list):
-        return any(shows_output(part) for part in mark)
-    if isinstance(mark, bool) or mark is None:
-        return bool(mark)
-    if isinstance(mark, int | float):
-        return mark > 0
-    return bool(mark)
+def _grouped(reasons: Sequence[tuple[int, str]]) -> str:
+    """``node 0: A; nodes 1,2: B``: the nodes waiting for one reason named once."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in reasons:
+        by_reason.setdefault(reason, []).append(rank)
+    return "; ".join(
+        f"node{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {reason}"
+        for reason, ranks in by_reason.items()
+    )
+
+
+# -- the watch loop, once, and its two executors ---------------------------------------------------
+@dataclass(frozen=True)
+class Look:
+    """Look at the group: its nodes, new progress records and (``mark``) the backend's progress mark."""
+
+    mark: bool
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one look saw; ``error``: the look at the nodes failed (a mark or records that could not
+    be read are only warned about in ``notes``: never evidence of anything)."""
+
+    nodes: list[NodeObservation] = field(default_factory=list)
+    error: BaseException | None = None
+    mark: ProgressMark | None = None
+    records: list[ProgressRecord] = field(default_factory=list)
+    notes: tuple[Note, ...] = ()
+
+
+WatchStep = Look | Pause | Note
+WatchFlow = Generator[WatchStep, "Seen | None", "Verdict | None"]
+
+
+def watch_flow(watch: Watch, *, clock: Callable[[], float], until: float | None = None) -> WatchFlow:
+    """The watch loop: look, decide, pause, until a verdict; ``None`` when ``until`` (epoch) passed first."""
+    while True:
+        seen = yield Look(mark=watch.config.progress_timeout is not None)
+        assert seen is not None  # an executor answers every Look
+        now = clock()
+        step = watch.failed(seen.error, now) if seen.error else watch.observed(seen.nodes, seen.mark, now, seen.records)
+        yield from (*seen.notes, *step.notes)
+        if step.verdict is not None:
+            return step.verdict
+        if until is not None and clock() >= until:
+            return None
+        yield Pause(watch.pause())
+
+
+def look(backend: Backend[Any], handle: Any, *, mark: bool) -> Seen:
+    """One look at the group through the backend's sync client (the worker; the training view)."""
+    try:
+        nodes = backend.observe(handle)
+    except Exception as exc:
+        return Seen(error=exc)
+    notes: list[Note] = []
+    progress = _quietly(lambda: backend.progress_mark(handle), handle, "tell its progress", notes) if mark else None
+    lines = _quietly(lambda: backend.read_progress_lines(handle), handle, "read its progress", notes)
+    return Seen(nodes=nodes, mark=progress, records=parse_records(lines or []), notes=tuple(notes))
+
+
+async def look_async(backend: Backend[Any], handle: Any, *, mark: bool) -> Seen:
+    """:func:`look` through the backend's async client (the triggerer: no thread, no sync client)."""
+    try:
+        nodes = await backend.observe_async(handle)
+    except Exception as exc:
+        return Seen(error=exc)
+    notes: list[Note] = []
+    progress = (
+        await _quietly_async(backend.progress_mark_async(handle), handle, "tell its progress", notes) if mark else None
+    )
+    lines = await _quietly_async(backend.read_progress_lines_async(handle), handle, "read its progress", notes)
+    return Seen(nodes=nodes, mark=progress, records=parse_records(lines or []), notes=tuple(notes))
 
 
 def watch_sync(
-    backend: Backend,
-    handle: GroupHandle,
+    backend: Backend[Any],
+    handle: Any,
     watch: Watch,
     *,
     emit: Callable[[Note], None],
@@ -334,51 +416,60 @@ def watch_sync(
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Verdict | None:
-    """Drive ``watch`` until a verdict, or until ``until`` (epoch) passes first (then ``None``)."""
+    """Drive :func:`watch_flow` in this process. ``after_look`` runs after every look, before its
+    notes: it raises when the task was killed meanwhile (what that look saw is the kill's doing)."""
+    flow, reply = watch_flow(watch, clock=clock, until=until), None
     while True:
         try:
-            nodes = backend.observe(handle)
-        except Exception as exc:
-            step = watch.failed(exc, clock())
+            step = flow.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        reply = None
+        if isinstance(step, Look):
+            reply = look(backend, handle, mark=step.mark)
+            after_look()
+        elif isinstance(step, Pause):
+            sleep(step.seconds)
         else:
-            mark = None
-            if watch.config.progress_timeout is not None:
-                try:
-                    mark = backend.progress_mark(handle)
-                except Exception as exc:  # no evidence of a hang: never a reason to give up on the group
-                    emit(Note(logging.WARNING, f"Group {handle.group_id}: could not tell its progress: {exc}"))
-            step = watch.observed(nodes, mark, clock(), read_records(backend, handle, emit))
-        # First: after_look raises when the task was killed meanwhile, and what this look saw then
-        # (a deleted Job, stopped ranks) is the kill's doing, not worth a line of its own.
-        after_look()
-        for note in step.notes:
-            emit(note)
-        if step.verdict is not None:
-            return step.verdict
-        if until is not None and clock() >= until:
-            return None
-        sleep(watch.pause())
+            emit(step)
 
 
-def read_records(backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]) -> list[ProgressRecord]:
-    """The progress records the ranks wrote since the last call; a failed read is only warned about."""
-    from airflow_torchrun.worker.progress import parse_records
+async def watch_async(
+    backend: Backend[Any],
+    handle: Any,
+    watch: Watch,
+    *,
+    emit: Callable[[Note], None],
+    clock: Callable[[], float] = time.time,
+) -> Verdict:
+    """Drive :func:`watch_flow` in the triggerer (no ``until``: it watches to the end)."""
+    flow, reply = watch_flow(watch, clock=clock), None
+    while True:
+        try:
+            step = flow.send(reply)
+        except StopIteration as stop:
+            assert stop.value is not None  # no ``until``: the flow ends only with a verdict
+            return stop.value
+        reply = None
+        if isinstance(step, Look):
+            reply = await look_async(backend, handle, mark=step.mark)
+        elif isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+        else:
+            emit(step)
 
+
+def _quietly(call: Callable[[], T], handle: Any, what: str, notes: list[Note]) -> T | None:
     try:
-        return parse_records(backend.read_progress_lines(handle))
+        return call()
     except Exception as exc:  # never a reason to give up on the group
-        emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
-        return []
+        notes.append(Note(logging.WARNING, f"Group {handle.group_id}: could not {what}: {exc}"))
+        return None
 
 
-async def read_records_async(
-    backend: Backend, handle: GroupHandle, emit: Callable[[Note], None]
-) -> list[ProgressRecord]:
-    """:func:`read_records` for the trigger (the backend's async client)."""
-    from airflow_torchrun.worker.progress import parse_records
-
+async def _quietly_async(call: Awaitable[T], handle: Any, what: str, notes: list[Note]) -> T | None:
     try:
-        return parse_records(await backend.read_progress_lines_async(handle))
+        return await call
     except Exception as exc:  # never a reason to give up on the group
-        emit(Note(logging.WARNING, f"Group {handle.group_id}: could not read its progress records: {exc}"))
-        return []
+        notes.append(Note(logging.WARNING, f"Group {handle.group_id}: could not {what}: {exc}"))
+        return None

@@ -13,58 +13,16 @@ ranks dialling the previous incarnation's store), measured on a 2-core machine o
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from airflow_torchrun.contract import CONTRACT_ENV
+from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, WORKER_ENTRY
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import RESERVED_ENV, GroupSpec
 
 # Torchrun's default; used where every node has its own network namespace (Kubernetes).
 DEFAULT_MASTER_PORT = 29500
-# Which process is a worker of which group: every agent and rank inherits these, and teardown
-# finds stragglers (torchrun puts each worker in a session of its own) by them.
-GROUP_ID_VAR = "AIRFLOW_TORCHRUN_GROUP_ID"
-NODE_RANK_VAR = "AIRFLOW_TORCHRUN_NODE_RANK"
-WORKER_ENTRY = "airflow_torchrun.worker.launch"
-
-
-@dataclass(frozen=True)
-class GroupIdentity:
-    """Who a group belongs to: one try of one task instance."""
-
-    dag_id: str
-    task_id: str
-    run_id: str
-    try_number: int = 1
-    map_index: int = -1
-    # Launches of this try before this one (a lost port race, a preempted group): 0 for the first.
-    relaunch: int = 0
-
-    @property
-    def group_id(self) -> str:
-        """A DNS-1123 label (<= 63 chars), deterministic and collision-safe for long ids."""
-        digest = hashlib.sha256(f"{self.dag_id}\0{self.task_id}\0{self.run_id}\0{self.map_index}".encode()).hexdigest()[
-            :10
-        ]
-        suffix = f"-{digest}-t{self.try_number}" + (f"-r{self.relaunch}" if self.relaunch else "")
-        stem = _dns_label(f"{self.dag_id}-{self.task_id}")[: 63 - len(suffix)].rstrip("-") or "group"
-        return f"{stem}{suffix}"
-
-    def labels(self) -> dict[str, str]:
-        return {
-            "dag_id": self.dag_id,
-            "task_id": self.task_id,
-            "run_id": self.run_id,
-            "try_number": str(self.try_number),
-            "map_index": str(self.map_index),
-            "relaunch": str(self.relaunch),
-        }
-
-
-def _dns_label(text: str) -> str:
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
 
 
 @dataclass(frozen=True)
@@ -108,12 +66,8 @@ def plan(
     log_dir: str | None = None,
     cpus_per_node: float | None = None,
     extra_env: Mapping[str, str] | None = None,
-    group_id: str | None = None,
 ) -> GroupPlan:
     """Render every node's torchrun command and environment. Pure: no I/O, no clock.
-
-    ``group_id`` is the group's name where the backend names it otherwise than
-    :attr:`GroupIdentity.group_id` (a Kubernetes Job's name holds the deployment too).
 
     ``log_dir`` may hold ``{node_rank}``. ``extra_env`` carries what the operator and the platform
     add: the rank contract (checkpoint, shard and MLflow variables), storage access, a Kubernetes
@@ -122,7 +76,7 @@ def plan(
     reach a rank only from the operator and the wiring, whatever ``spec.env`` holds.
     """
     user_env = {k: v for k, v in spec.env.items() if k not in CONTRACT_ENV and k not in RESERVED_ENV}
-    group_id = group_id or identity.group_id
+    group_id = identity.group_id
     nodes = []
     for node_rank in range(spec.num_nodes):
         argv = [

@@ -40,10 +40,12 @@ from typing import Any
 
 import pytest
 
-from airflow_torchrun.backends.procs import _environ, group_pids, stop_group
-from airflow_torchrun.checkpoint import CheckpointStore
+from airflow_torchrun.backends.local.procs import _environ, group_pids, stop_group
+from airflow_torchrun.storage.checkpoints import CheckpointStore
 from tests import s3_fixtures
-from tests.chaos.conftest import FINAL, IMPORTS, SEED, STEP, Trial, record, trainer_task, trials
+from tests.chaos.conftest import FINAL, IMPORTS, STEP, trainer_task
+from tests.chaos.matrix import SEED, Trial, record, trials
+from tests.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.slow
 
@@ -219,8 +221,21 @@ def run_trial(
     if result.state != "success":
         tail = [ln for ln in result.log.splitlines() if "Training group" in ln or "was torn down" in ln][-2:]
         note += " | " + " / ".join(line[:300] for line in tail)
+    goodput = result.xcom("train", key="goodput") or {}
+    ettr = (goodput.get("task") or {}).get("ettr")
     return record(
-        Trial(fault, injector.injected, result.state == "success", identical, left, torn, recovery, note, lost)
+        Trial(
+            fault,
+            injector.injected,
+            result.state == "success",
+            identical,
+            left,
+            torn,
+            recovery,
+            note,
+            lost,
+            ettr if isinstance(ettr, int | float) else None,
+        )
     )
 
 
@@ -295,14 +310,17 @@ def test_checkpoint_store_out_of_space(run_dag: Callable[..., Any], tmp_path: Pa
 
 
 @pytest.mark.fault("MLflow server down 20 s")
-def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted: str, tmp_path: Path) -> None:
+def test_mlflow_down_for_20s_mid_training(
+    run_dag: Callable[..., Any], uninterrupted: str, mlflow_server: MlflowServer
+) -> None:
     from mlflow.tracking import MlflowClient
 
-    from tests.test_tracking_faults import MlflowServer
-
     fault = "MLflow server down 20 s"
-    server = MlflowServer(tmp_path)
+    server = mlflow_server
     server.start()
+    # The session's server holds other tests' runs too: only the experiments made from now on count
+    # (each DAG run_dag makes is new, and so is its experiment).
+    since_ms = int(time.time() * 1000)
     restarts: list[threading.Thread] = []
 
     def outage(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
@@ -322,7 +340,8 @@ def test_mlflow_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterru
             restart.join(90)
         # Every step's loss reached its run exactly once, through the outage.
         client = MlflowClient(server.uri)
-        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        mine = [e.experiment_id for e in client.search_experiments() if e.creation_time >= since_ms]
+        runs = client.search_runs(mine)
         histories = [[m.step for m in client.get_metric_history(r.info.run_id, "loss")] for r in runs]
         histories = [h for h in histories if h]
         assert len(histories) == len(results), histories
@@ -394,5 +413,7 @@ def _judge(fault: str, results: list[Trial]) -> None:
         assert t.bit_identical, t
         assert t.left_behind == 0, t
         assert t.torn_resumed == 0, t
+        # The goodput ledger accounts for the fault: the task's ETTR is known and below 1.
+        assert t.ettr is not None and 0 < t.ettr < 1, t
         if fault.startswith("SIGTERM"):  # saved at the next step boundary: no completed step lost
             assert t.steps_lost == 0, t

@@ -27,8 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests import s3_fixtures
-from tests.chaos.conftest import SEED, Trial, record, trials
+from tests.chaos.matrix import SEED, Trial, record, trials
 from tests.k8s import conftest as k8s_fixtures
 from tests.k8s.fake_api import Call, FakeKubeAPI
 from tests.k8s.test_operator_k8s import NS, TASK, Autopilot
@@ -40,8 +39,6 @@ fake_api = k8s_fixtures.fake_api
 kubeconfig = k8s_fixtures.kubeconfig
 pod_storage = k8s_fixtures.pod_storage
 k8s_connection = k8s_fixtures.k8s_connection
-s3_env = s3_fixtures.s3_env
-moto_s3 = s3_fixtures.moto_s3
 
 OUTAGE_S = 20.0
 # At most this many requests reach the failing API in the outage (the watch backs off to one look

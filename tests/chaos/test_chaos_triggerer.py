@@ -37,9 +37,10 @@ from pathlib import Path
 import pytest
 
 from airflow_torchrun.backends.base import GroupHandle
-from airflow_torchrun.backends.local import LocalBackend
-from airflow_torchrun.wiring import GroupIdentity
-from tests.chaos.conftest import ARGS, FINAL, SEED, STEP, TRAINER, Trial, record, trials
+from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.naming import GroupIdentity
+from tests.chaos.conftest import ARGS, FINAL, STEP, TRAINER
+from tests.chaos.matrix import SEED, Trial, record, trials
 from tests.standalone import Standalone, read_group, start_standalone, stop_process_group, wait_for
 
 pytestmark = [pytest.mark.slow]

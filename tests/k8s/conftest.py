@@ -12,17 +12,14 @@ import pytest
 import yaml
 
 from airflow_torchrun.backends.base import GroupHandle
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import GroupStatus, group_status
-from airflow_torchrun.wiring import GroupIdentity
 from tests import s3_fixtures
 
 from .fake_api import FakeKubeAPI
-
-moto_s3 = s3_fixtures.moto_s3
-s3_env = s3_fixtures.s3_env
 
 NAMESPACE = "ml"
 

@@ -436,7 +436,10 @@ class FakeKubeAPI:
         if query.get("tailLines"):
             lines = lines[-int(query["tailLines"]) :]
         stamps = query.get("timestamps") in ("true", "True", "1")
-        return 200, "".join(f"{stamp_nano(t)} {line}\n" if stamps else f"{line}\n" for t, line in lines)
+        text = "".join(f"{stamp_nano(t)} {line}\n" if stamps else f"{line}\n" for t, line in lines)
+        if query.get("limitBytes"):  # the API's own cut: the first bytes, mid-line if need be
+            text = text.encode()[: int(query["limitBytes"])].decode("utf-8", "ignore")
+        return 200, text
 
     def _watch(self, handler: BaseHTTPRequestHandler, ns: str, resource: str, query: dict[str, str]) -> None:
         since = int(query.get("resourceVersion") or 0)
@@ -679,19 +682,25 @@ class FakeKubeAPI:
                 pod["metadata"]["deletionTimestamp"] = now_rfc3339()
         self.set_terminated(ns, job, index, exit_code=143, reason="Error")
 
-    def fail_job(self, ns: str, job: str, reason: str, message: str) -> None:
+    def fail_job(self, ns: str, job: str, reason: str, message: str, *, terminal: bool = True) -> None:
+        """The Job controller's verdict as a real API server (v1.37) shows it: FailureTarget first,
+        and Failed (same reason and message) only once every pod has terminated (``terminal``)."""
         with self._cond:
             obj = self.job(ns, job)
-            cond = {
-                "type": "Failed",
-                "status": "True",
-                "reason": reason,
-                "message": message,
-                "lastProbeTime": now_rfc3339(),
-                "lastTransitionTime": now_rfc3339(),
-            }
-            obj.setdefault("status", {})["conditions"] = [cond]
-            obj["status"]["failed"] = 1
+            conds = [
+                {
+                    "type": kind,
+                    "status": "True",
+                    "reason": reason,
+                    "message": message,
+                    "lastProbeTime": now_rfc3339(),
+                    "lastTransitionTime": now_rfc3339(),
+                }
+                for kind in (("FailureTarget", "Failed") if terminal else ("FailureTarget",))
+            ]
+            obj.setdefault("status", {})["conditions"] = conds
+            if terminal:
+                obj["status"]["failed"] = 1
             self._touch(obj)
 
     def add_log(self, pod_name: str, *lines: str) -> None:

@@ -15,12 +15,12 @@ import time
 import pytest
 
 from airflow_torchrun.backends.base import GroupHandle, RelaunchKind
-from airflow_torchrun.backends.k8s_render import KUEUE_QUEUE_LABEL
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.render import KUEUE_QUEUE_LABEL
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES, parse_runtime
 from airflow_torchrun.errors import GroupLaunchError
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, parse_runtime
-from airflow_torchrun.status import GroupState, NodePhase, group_status
-from airflow_torchrun.wiring import GroupIdentity
+from airflow_torchrun.naming import GroupIdentity
+from airflow_torchrun.status import NodePhase, Outcome, group_status
 
 from .conftest import IDENTITY, NAMESPACE, make_spec, settle
 from .fake_api import FakeKubeAPI
@@ -96,7 +96,7 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
     fake_api.add_log(pod0, "INFO:torch.distributed.run:starting", "[node 0 rank 0] step 1 loss 0.9")
     fake_api.add_log(pod1, "[node 1 rank 1] step 1 loss 0.9")
     status = settle(backend, handle, lambda s: all(n.phase is NodePhase.RUNNING for n in s.nodes))
-    assert status.state is GroupState.RUNNING
+    assert status.state is Outcome.RUNNING
     assert backend.read_new_log_lines(handle) == [
         "[node 0 agent] INFO:torch.distributed.run:starting",
         "[node 0 rank 0] step 1 loss 0.9",
@@ -107,7 +107,7 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
 
     fake_api.set_terminated(NS, job_name, None, exit_code=0, reason="Completed")
     status = settle(backend, handle, lambda s: s.state.terminal)
-    assert status.state is GroupState.SUCCEEDED
+    assert status.state is Outcome.SUCCEEDED
     assert status.exit_codes == [0, 0]
 
     backend.teardown(handle)
@@ -144,7 +144,7 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     fake_api.delete_pod_gracefully(NS, job_name, 0)
 
     status = settle(backend, handle, lambda s: s.state.terminal)
-    assert status.state is GroupState.FAILED
+    assert status.state is Outcome.FAILED
     assert status.failed_node == 1
     assert "OOMKilled" in status.reason
     assert backend.relaunch_reason(handle, status) is None  # a real failure: Airflow's retries, not a relaunch
@@ -180,7 +180,7 @@ def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
     fake_api.set_terminated(NS, job_name, 1, exit_code=1, reason="Error", finished_offset=-2)
 
     status = settle(backend, handle, lambda s: s.state.terminal)
-    assert status.state is GroupState.FAILED
+    assert status.state is Outcome.FAILED
     assert status.failed_node == 0
     relaunch = backend.relaunch_reason(handle, status)
     assert relaunch is not None and relaunch.kind is RelaunchKind.PREEMPTION
@@ -200,7 +200,7 @@ def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_th
     fake_api.set_unschedulable(NS, job_name, message)
 
     status = settle(backend, handle, lambda s: s.state.terminal)
-    assert status.state is GroupState.STARTUP_TIMEOUT
+    assert status.state is Outcome.STARTUP_TIMEOUT
     assert "did not start within startup_timeout=2.5s" in status.reason
     assert f"Unschedulable: {message}" in status.reason
     # Pending pods were watched, not polled in a tight loop: every wait was a watch request.
@@ -228,7 +228,7 @@ def test_missing_image_fails_without_retry(fake_api: FakeKubeAPI, backend: Kuber
         "desc = failed to pull and unpack image: not found",
     )
     status = settle(backend, handle, lambda s: s.state.terminal)
-    assert status.state is GroupState.FAILED
+    assert status.state is Outcome.FAILED
     failed = status.nodes[status.failed_node or 0]
     assert not failed.retryable
     assert failed.reason is not None and failed.reason.startswith("ImagePullBackOff (container wait-for-master)")
@@ -453,7 +453,7 @@ def test_async_observe_uses_the_async_hook_from_the_connection(
     assert any(c.is_watch for c in fake_api.calls[calls_before:])
     nodes = asyncio.run(watcher.observe_async(handle))
     status = group_status(nodes, launched_at=handle.launched_at, now=time.time(), startup_timeout=60)
-    assert status.state is GroupState.FAILED and "OOMKilled" in status.reason
+    assert status.state is Outcome.FAILED and "OOMKilled" in status.reason
 
 
 def test_a_trigger_rebuilds_the_backend_from_the_handle_and_sees_progress(
@@ -500,7 +500,7 @@ def test_a_fresh_backend_keeps_the_failure_for_explain_across_teardown(
 
 def test_credentials_in_plain_env_are_flagged(backend: KubernetesBackend, caplog: pytest.LogCaptureFixture) -> None:
     spec = make_spec(env={"WANDB_API_TOKEN": "t0ps3cret", "EPOCHS": "3"})
-    with caplog.at_level("WARNING", logger="airflow_torchrun.backends.kubernetes"):
+    with caplog.at_level("WARNING", logger="airflow_torchrun.backends.kubernetes.backend"):
         backend.plan(spec, IDENTITY, {"AWS_SECRET_ACCESS_KEY": "k"})
     assert "AWS_SECRET_ACCESS_KEY, WANDB_API_TOKEN look like credentials" in caplog.text
     assert "t0ps3cret" not in caplog.text
@@ -519,4 +519,4 @@ def test_a_failed_leftover_job_is_not_reattached_but_a_completed_one_is(
     found = backend.find_existing(try3, make_spec())
     assert found is not None and found.job_name == done_name
     status = settle(backend, found, lambda s: s.state.terminal)
-    assert status.state is GroupState.SUCCEEDED
+    assert status.state is Outcome.SUCCEEDED

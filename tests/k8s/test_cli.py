@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from airflow_torchrun import cli
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES
+from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.wiring import GroupIdentity
 
 DAG = textwrap.dedent(
     """
@@ -86,6 +86,7 @@ def test_render_prints_exactly_what_the_backend_would_create(
         kubernetes_validate.validate(obj, "1.34.0", strict=True)
 
 
+@pytest.mark.slow
 def test_console_script_keeps_stdout_for_yaml(dag_file: Path) -> None:
     script = Path(sys.executable).with_name("airflow-torchrun")
     done = subprocess.run(

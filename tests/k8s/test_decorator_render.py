@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from airflow_torchrun import cli
-from airflow_torchrun.backends.k8s_render import ContainerTemplate, expand_for_node
-from airflow_torchrun.worker.function import CALL_ENV, SOURCE_ENV
+from airflow_torchrun.backends.kubernetes.render import ContainerTemplate, expand_for_node
+from airflow_torchrun.contract.function import CALL_ENV, SOURCE_ENV
 
 from .test_render import K8S_VERSIONS
 

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from airflow_torchrun.runtimes import parse_runtimes
+from airflow_torchrun.backends.kubernetes.runtimes import parse_runtimes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md"
 
@@ -26,10 +26,11 @@ def test_the_runtimes_example_is_valid() -> None:
 
 
 def test_the_variable_policy_example_is_valid() -> None:
-    from airflow_torchrun.runtimes import parse_policy
+    from airflow_torchrun.backends.kubernetes.runtimes import parse_policy
 
     (block,) = [b for b in yaml_blocks() if "_variable_policy:" in b]
-    assert parse_policy(yaml.safe_load(block), "docs/kubernetes.md") == {"host_namespaces"}
+    policy = parse_policy(yaml.safe_load(block), "docs/kubernetes.md")
+    assert policy.allow == {"host_namespaces", "secrets"} and policy.images == ("registry.example.com/ml/",)
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.34.0"])
@@ -61,8 +62,8 @@ def test_the_rbac_example_is_valid(version: str) -> None:
 
 def test_the_role_grants_every_call_the_backend_makes(fake_api, kubeconfig) -> None:
     """Run a queued group through its life against the fake and check each recorded call."""
-    from airflow_torchrun.backends.kubernetes import KubernetesBackend
-    from airflow_torchrun.runtimes import parse_runtime
+    from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+    from airflow_torchrun.backends.kubernetes.runtimes import parse_runtime
 
     from .conftest import IDENTITY, NAMESPACE, make_spec
 

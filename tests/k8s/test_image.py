@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from airflow_torchrun.runtimes import DEFAULT_UID
+import pytest
+
+from airflow_torchrun.backends.kubernetes.runtimes import DEFAULT_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "images" / "trainer" / "Dockerfile"
@@ -84,6 +86,7 @@ def test_the_image_user_is_the_runtimes_default_non_root_user() -> None:
     assert base is not None and ":" in base.group(1) and not base.group(1).endswith(":latest")  # pinned
 
 
+@pytest.mark.slow
 def test_the_image_test_stages_exactly_the_build_context(tmp_path: Path) -> None:
     count = image_test().stage_context(tmp_path / "context")
     staged = sorted(str(p.relative_to(tmp_path / "context")) for p in (tmp_path / "context").rglob("*") if p.is_file())

@@ -13,13 +13,12 @@ import time
 
 import pytest
 
-from airflow_torchrun.checkpoint import CheckpointStore
+from airflow_torchrun.storage.checkpoints import CheckpointStore
 from tests import s3_fixtures
 
 from .fake_api import FakeKubeAPI
 from .test_operator_k8s import NS, RETRY_ONCE, TASK, Autopilot, created_jobs, posted_jobs, trainer_env
 
-moto_s3 = s3_fixtures.moto_s3
 OUTAGE_S = 6.0
 
 

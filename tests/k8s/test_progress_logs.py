@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from airflow_torchrun.backends import kubernetes
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.worker.progress import ProgressRecord, parse_records
+from airflow_torchrun.backends.kubernetes import backend as kubernetes
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.contract.progress import ProgressRecord, parse_records
 
 from .fake_api import FakeKubeAPI
 from .test_backend import NS, running_group

@@ -16,22 +16,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from airflow_torchrun.backends import k8s_render
-from airflow_torchrun.backends.k8s_render import (
-    MAX_NAME_LENGTH,
+from airflow_torchrun.backends.kubernetes import render as k8s_render
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.render import (
     PET_NODE_RANK,
     WAIT_FOR_MASTER,
     expand_for_node,
-    group_name,
-    label_value,
     render_group,
     to_yaml,
 )
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
-from airflow_torchrun.backends.local import LocalBackend
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, parse_runtime
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES, parse_runtime
+from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.naming import MAX_GROUP_ID, GroupIdentity, label_value
 from airflow_torchrun.spec import GroupSpec
-from airflow_torchrun.wiring import GroupIdentity
 
 GOLDEN = Path(__file__).parent / "golden"
 # The oldest version this backend supports (podFailurePolicy rules without onPodConditions), the
@@ -260,13 +257,13 @@ def test_names_are_dns_labels_deterministic_and_collision_safe() -> None:
         GroupIdentity(LONG, LONG, LONG + "b", try_number=99),
         GroupIdentity(LONG, LONG, LONG, try_number=99, map_index=1),
     ]
-    names = [group_name(i) for i in ids]
+    names = [i.group_id for i in ids]
     for name in names:
-        assert DNS_1035.match(name) and len(name) <= MAX_NAME_LENGTH, name
+        assert DNS_1035.match(name) and len(name) <= MAX_GROUP_ID, name
         assert len(f"{name}-99999") <= 63  # the pod hostname of index 99999
     assert len(set(names)) == len(names)  # long ids differing only past the cut stay apart
-    assert names == [group_name(i) for i in ids]  # deterministic
-    assert group_name(ids[0]) != group_name(GroupIdentity("pipeline", "train", ids[0].run_id, try_number=2))
+    assert names == [i.group_id for i in ids]  # deterministic
+    assert ids[0].group_id != GroupIdentity("pipeline", "train", ids[0].run_id, try_number=2).group_id
 
 
 @pytest.mark.parametrize(
@@ -295,6 +292,7 @@ def test_render_refuses_a_plan_for_another_namespace() -> None:
         render_group(plan, BUILTIN_RUNTIMES["cpu"], namespace="b")
 
 
+@pytest.mark.slow
 def test_the_dns_wait_succeeds_when_the_name_resolves_and_gives_up_at_its_deadline() -> None:
     ok = subprocess.run(
         [sys.executable, "-c", WAIT_FOR_MASTER],

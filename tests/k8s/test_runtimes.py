@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from airflow_torchrun import runtimes
+from airflow_torchrun.backends.kubernetes import runtimes
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES, get_runtime, load_runtimes, parse_runtime
 from airflow_torchrun.errors import InvalidSpecError
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, get_runtime, load_runtimes, parse_runtime
 
 FILE_RUNTIMES = """\
 # a platform team's runtimes
@@ -33,6 +33,7 @@ h100:
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in (
         "AIRFLOW__TORCHRUN__RUNTIMES_FILE",
+        "AIRFLOW__TORCHRUN__RUNTIMES_VARIABLE",
         "AIRFLOW_VAR_TORCHRUN_RUNTIMES",
         "AIRFLOW__TORCHRUN__DEFAULT_RUNTIME",
     ):
@@ -77,19 +78,20 @@ def test_the_file_is_reread_only_when_it_changes(tmp_path: Path) -> None:
     assert "tiny" in load_runtimes(file=str(path), variable="").runtimes
 
 
-def test_variable_json_or_yaml_overrides_the_file_per_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_configured_variable_json_or_yaml_adds_runtimes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "runtimes.yaml"
     path.write_text(FILE_RUNTIMES)
-    variable = {"small": {"image": "registry.example.com/trainer:2.0"}, "tpu-free": {"image": "t:1"}}
-    # An environment-defined Airflow Variable, read through Airflow's secrets chain.
+    variable = {"small-v2": {"image": "registry.example.com/trainer:1.0", "resources": {"cpu": "1"}}}
+    # An environment-defined Airflow Variable, read through Airflow's secrets chain, once configured.
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__RUNTIMES_VARIABLE", "torchrun_runtimes")
     monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", json.dumps(variable))
     catalog = load_runtimes(file=str(path))
-    assert sorted(catalog.runtimes) == ["h100", "small", "tpu-free"]
-    assert catalog.runtimes["small"].image == "registry.example.com/trainer:2.0"
+    assert sorted(catalog.runtimes) == ["h100", "small", "small-v2"]
+    assert catalog.runtimes["small-v2"].cpu == "1"
     assert catalog.sources == (f"file {path}", "Variable torchrun_runtimes")
 
     runtimes.clear_cache()
-    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", "only-yaml:\n  image: t:3\n")
+    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", f"only-yaml:\n  image: {runtimes.DEFAULT_IMAGE}\n")
     assert sorted(load_runtimes().runtimes) == ["only-yaml"]
 
 
@@ -163,7 +165,8 @@ def test_defaults_of_one_runtime() -> None:
 
 
 def test_an_empty_runtimes_variable_option_turns_the_variable_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", "from-variable:\n  image: t:1\n")
+    monkeypatch.setenv("AIRFLOW_VAR_TORCHRUN_RUNTIMES", f"from-variable:\n  image: {runtimes.DEFAULT_IMAGE}\n")
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__RUNTIMES_VARIABLE", "torchrun_runtimes")
     assert sorted(load_runtimes().runtimes) == ["from-variable"]
     runtimes.clear_cache()
     monkeypatch.setenv("AIRFLOW__TORCHRUN__RUNTIMES_VARIABLE", "")

@@ -17,10 +17,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from airflow_torchrun.backends.k8s_render import GROUP_LABEL
-from airflow_torchrun.backends.kubernetes import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend
+from airflow_torchrun.backends.kubernetes.render import GROUP_LABEL
+from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES, clear_cache, load_runtimes, parse_runtime
 from airflow_torchrun.errors import GroupLaunchError, InvalidSpecError
-from airflow_torchrun.runtimes import BUILTIN_RUNTIMES, clear_cache, load_runtimes, parse_runtime
 from airflow_torchrun.status import NodePhase
 
 from .conftest import IDENTITY, NAMESPACE, make_spec
@@ -241,8 +241,9 @@ def test_the_variable_cannot_loosen_security_unless_the_file_allows_it(
     assert f"list {allowance!r} under _variable_policy.allow" in str(info.value)
     # The same runtime in the file itself is the platform's own choice.
     assert "team" in load_runtimes(file=str(runtimes_file({"team": variable["team"]})), variable="").runtimes
-    # And the file may allow it for the Variable.
-    path = runtimes_file({"cpu": {"image": "t:1"}, "_variable_policy": {"allow": [allowance]}})
+    # And the file may allow it for the Variable (overrides beyond the harmless few are an allowance too).
+    overrides = ["overrides"] if {"pod_overrides", "container_overrides"} & set(LOOSE[allowance]) else []
+    path = runtimes_file({"cpu": {"image": "t:1"}, "_variable_policy": {"allow": [allowance, *overrides]}})
     assert "team" in load_runtimes(file=str(path), variable="torchrun_runtimes").runtimes
 
 
@@ -304,7 +305,8 @@ def test_the_default_mlflow_store_fails_at_parse_time_too(monkeypatch: pytest.Mo
 
 def test_execution_timeout_becomes_the_jobs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     task = operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, execution_timeout=datetime.timedelta(hours=2))
-    assert task.kubernetes_settings().active_deadline_seconds == 7200
+    assert task.task_backend_options().active_deadline_seconds == 7200
     assert (
-        operator(checkpoint_uri="s3://ckpt-bucket/p", track=False).kubernetes_settings().active_deadline_seconds is None
+        operator(checkpoint_uri="s3://ckpt-bucket/p", track=False).task_backend_options().active_deadline_seconds
+        is None
     )

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from airflow_torchrun.backends.k8s_logs import LogCursor, split_stamp
-from airflow_torchrun.backends.k8s_status import (
+from airflow_torchrun.backends.kubernetes.logs import LogCursor, split_stamp
+from airflow_torchrun.backends.kubernetes.status import (
     disruption,
     needs_events,
     needs_workloads,
@@ -16,7 +16,7 @@ from airflow_torchrun.backends.k8s_status import (
     pod_observation,
     preemption_reason,
 )
-from airflow_torchrun.status import GroupState, NodePhase, group_status
+from airflow_torchrun.status import NodePhase, Outcome, group_status
 
 T0 = "2026-11-30T10:00:00Z"
 T1 = "2026-11-30T10:00:01Z"
@@ -298,7 +298,7 @@ def test_preemption_is_found_among_collateral_failures() -> None:
     ]
     nodes = node_observations(2, job(), pods)
     status = group_status(nodes, launched_at=0, now=2e9, startup_timeout=60)
-    assert status.state is GroupState.FAILED and status.failed_node == 0  # the disruption began first
+    assert status.state is Outcome.FAILED and status.failed_node == 0  # the disruption began first
     hit = disruption(nodes)
     assert hit is not None and hit.node_rank == 0
     assert preemption_reason(status) == "node 0: Evicted (DeletionByTaintManager): Taint manager: deleting"
@@ -334,9 +334,56 @@ def test_log_cursor_returns_each_line_once() -> None:
 
 
 def test_a_large_failed_group_reads_a_bounded_number_of_log_tails() -> None:
-    from airflow_torchrun.backends.k8s_explain import MAX_TAILS, nodes_to_read
+    from airflow_torchrun.backends.kubernetes.explain import MAX_TAILS, nodes_to_read
 
     pods = [pod(i, "Failed", main=terminated(1, "Error", finished=T5 if i else T1)) for i in range(40)]
     status = group_status(node_observations(40, job(), pods), launched_at=0, now=2e9, startup_timeout=60)
     ranks = nodes_to_read(status)
     assert len(ranks) == MAX_TAILS and ranks[0] == 0  # the earliest failure first
+
+
+def test_a_job_the_controller_is_failing_is_failed_before_its_failed_condition() -> None:
+    """Seen on the real cluster (v1.37): the Job controller first sets FailureTarget (reason
+    PodFailurePolicy) and adds Failed only once every pod has terminated; the fake set Failed at
+    once. A node whose pod is already gone then is failed, not "pod not created yet"."""
+    message = "Container trainer for pod ml/g-1-x failed with exit code 1 matching FailJob rule at index 1"
+    target = cond("FailureTarget", "True", "PodFailurePolicy", message)
+    nodes = node_observations(2, job(conditions=[target]), [])
+    assert [n.phase for n in nodes] == [NodePhase.FAILED] * 2
+    assert nodes[0].stopped_by == "kubernetes"
+    assert nodes[0].reason == f"stopped: the Job failed (PodFailurePolicy): {message}"
+
+
+def test_a_pod_deleted_while_the_job_ran_is_a_disruption_and_the_job_controllers_deletions_are_not() -> None:
+    """Seen on the real cluster (v1.37): `kubectl delete pod` gives the pod no DisruptionTarget
+    (only the Eviction API, preemption, taints and the kubelet do); its torchrun exits 1 on the
+    SIGTERM, and the task failed as if the rank had crashed. A pod whose deletion was asked for
+    before the Job controller's verdict was taken away: a disruption, relaunched within the try.
+    The pods the controller deletes after its verdict stay its collateral."""
+    deleted = pod(1, "Failed", main=terminated(1, "Error"), deleting=True)
+    deleted["metadata"]["deletionGracePeriodSeconds"] = 8  # asked at T1, SIGKILL due at T9
+    peer = pod(0, "Failed", main=terminated(1, "Error", finished=T9))
+    verdict = cond("FailureTarget", "True", "PodFailurePolicy", "Container trainer ... exit code 1", at=T5)
+    nodes = node_observations(2, job(conditions=[verdict]), [peer, deleted])
+    assert nodes[1].reason is not None and nodes[1].reason.startswith("Evicted (deleted)"), nodes[1]
+    assert nodes[1].stopped_by is None
+    status = group_status(nodes, launched_at=0, now=2e9, startup_timeout=60)
+    assert preemption_reason(status) is not None and "node 1: Evicted (deleted)" in preemption_reason(status)
+    # Deleted after the verdict (the Job controller stopping the group): not the cause.
+    late = cond("FailureTarget", "True", "PodFailurePolicy", "Container trainer ... exit code 1", at=T0)
+    collateral = node_observations(2, job(conditions=[late]), [peer, deleted])
+    assert collateral[1].stopped_by == "deleted" and not (collateral[1].reason or "").startswith("Evicted")
+
+
+def test_a_rank_cannot_start_a_line_of_another_rank_inside_its_own() -> None:
+    # torchrun's tee and the container runtime end lines at "\n" only; a rank printing U+2028 (or
+    # \x85, \x1c) must not make the rest of its line a line of its own with another rank's prefix.
+    from airflow_torchrun.contract.progress import parse_bound_records
+
+    forged = '[node 0 rank 0] @torchrun-progress {"rank": 0, "step": 99, "time": 1.0}'
+    text = "".join(
+        f"2026-11-30T10:00:0{i}Z [node 0 rank 1] hi{sep}{forged}\n" for i, sep in enumerate(("\u2028", "\x85", "\x1c"))
+    )
+    lines = LogCursor().feed(text + "2026-11-30T10:00:05Z ok\r\n")
+    assert len(lines) == 4 and lines[-1] == "ok", lines
+    assert parse_bound_records(lines) == []

@@ -1,30 +1,40 @@
-"""The backend contract: every method the run engine and the trigger call, declared once.
+"""The backend contract: every question the operators, the run engine and the trigger ask a backend.
 
-A backend decides *where* each node of a plan runs, never *what* it runs. Methods a backend has
-nothing to say for have no-op defaults here (a local group is never preempted; a Kubernetes
-group has no earlier try to stop, it is re-attached), so callers never probe with ``getattr``.
-Handles are typed per backend (:mod:`airflow_torchrun.backends.handles`); :func:`backend_for`
-and :func:`backend_from_handle` are the one registry.
+A backend decides *where* each node of a plan runs, never *what* it runs. It answers its own
+questions, so that no code outside ``backends/`` tests a backend's name: at DAG parse time (class
+methods: where a relative script is, what a task's spec and settings may not be there, the default
+processes per node), and at run time (the plan, launch, looks, logs, the failure's story, teardown,
+the ranks' storage access). Methods a backend has nothing to say for have no-op defaults here (a
+local group is never preempted; a Kubernetes group has no earlier try to stop, it is re-attached),
+so callers never probe with ``getattr``. ``Backend[H]`` is generic on its typed handle
+(:mod:`airflow_torchrun.backends.handles`); :func:`backend_class`, :func:`backend_for_task` and
+:func:`backend_from_handle` are the one registry.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from airflow_torchrun.backends import DEFAULT_BACKEND, backend_class, backend_names
 from airflow_torchrun.backends.handles import GroupHandle, KubernetesHandle, LocalHandle
 
 if TYPE_CHECKING:
+    import logging
+
     from airflow_torchrun.diagnosis import RankFailure
+    from airflow_torchrun.naming import GroupIdentity
     from airflow_torchrun.spec import GroupSpec
-    from airflow_torchrun.status import GroupStatus, NodeObservation
-    from airflow_torchrun.wiring import GroupIdentity, GroupPlan
+    from airflow_torchrun.status import GroupStatus, NodeObservation, ProgressMark
+    from airflow_torchrun.wiring import GroupPlan
+
+H = TypeVar("H", bound=GroupHandle)
 
 __all__ = [
+    "DEFAULT_BACKEND",
     "Backend",
     "FailureReport",
     "GroupHandle",
@@ -32,9 +42,22 @@ __all__ = [
     "LocalHandle",
     "Relaunch",
     "RelaunchKind",
-    "backend_for",
+    "backend_class",
+    "backend_for_task",
     "backend_from_handle",
+    "backend_names",
 ]
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a task tells its backend (each backend takes what it means: Kubernetes all of it)."""
+
+    namespace: str | None = None
+    kubernetes_conn_id: str | None = None
+    all_ranks_logs: bool = False
+    # The task's execution_timeout: the Job's own activeDeadlineSeconds.
+    active_deadline_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -75,48 +98,108 @@ class Relaunch:
     why: str
 
 
-class Backend(Protocol):
-    """What the run engine and the trigger may ask of a backend."""
+class Backend(Protocol[H]):
+    """What the operators, the run engine and the trigger may ask of a backend."""
 
     name: ClassVar[str]
+    # The interpreter every node runs torchrun with: this one locally, the image's elsewhere.
+    python: ClassVar[str] = "python"
+    # Whether every node sees the Airflow worker's files (shards and checkpoints may then stay on
+    # local disk); False means they must be object storage every node reaches.
+    shares_worker_files: ClassVar[bool] = False
+    # Whether the nodes' logs stay readable after the teardown (local files), or go with the group
+    # (a Kubernetes Job's pods): the engine reads the ranks' last records after, or before, it.
+    logs_outlive_teardown: ClassVar[bool] = False
+
+    # -- DAG parse time: class methods, no instance, no cluster --------------------------------
+    @classmethod
+    def for_task(cls, options: BackendOptions) -> Backend[H]:
+        """The backend a task uses, from the operator's backend options."""
+        ...
 
     @classmethod
-    def from_handle(cls, handle: Any) -> Backend:
+    def from_handle(cls, handle: H) -> Backend[H]:
         """The backend that launched ``handle``, rebuilt in another process (trigger, retry)."""
         ...
 
+    @classmethod
+    def resolve_script(cls, script: str, dag_file: str | None) -> str:
+        """Where a relative ``script=`` is (by default a path inside the image: left alone)."""
+        return script
+
+    @classmethod
+    def default_nproc_per_node(cls, runtime: str | None, where: str) -> int:
+        """Ranks per node when the task names none."""
+        return 1
+
+    @classmethod
+    def spec_problems(cls, spec: GroupSpec) -> list[str]:
+        """What this backend cannot run of a spec whose values are final (a script that is not there)."""
+        return []
+
+    @classmethod
+    def task_problems(
+        cls, *, checkpoint_uri: str | None, default_checkpoint_base: str | None, tracking_uri: str | None
+    ) -> list[str]:
+        """What of a task's storage and tracking this backend's ranks could not use (a local path
+        that pods on other machines cannot share). ``checkpoint_uri``: the task's, when known;
+        ``default_checkpoint_base``: the default root when the task gives none."""
+        return []
+
+    @classmethod
+    def for_view(
+        cls, identity: GroupIdentity, hint: Mapping[str, Any], *, log_read_limit: int
+    ) -> tuple[H, Backend[H]] | str | None:
+        """The group of ``identity``'s try as the API server's view may see it, and a backend that
+        reads it without holding a request open; a string says why it is not shown, None that the
+        try launched no group this backend can see.
+
+        Where to look comes from this deployment's own configuration and the task instance's
+        identity, never from ``hint`` (the group's handle as XCom has it, which others can write):
+        of it only which relaunch and, where the group itself cannot say, bounded counts are used.
+        """
+        return None
+
+    # -- run time ------------------------------------------------------------------------------
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
         """Pure: each node's command and env (the wiring's plan, with this backend's addresses)."""
         ...
 
-    def launch(self, plan: GroupPlan, *, watch_caller: bool) -> GroupHandle:
+    def launch(self, plan: GroupPlan, *, watch_caller: bool) -> H:
         """Start every node; raises ``GroupLaunchError`` (nothing left running) when it cannot."""
         ...
 
-    def observe(self, handle: Any) -> list[NodeObservation]:
+    def rank_storage_env(
+        self, options: Mapping[str, Any], aws_conn_id: str | None, log: logging.Logger
+    ) -> dict[str, str]:
+        """The ranks' access to storage: the resolved s3fs ``options`` of ``aws_conn_id`` as their
+        environment, as far as this backend may put credentials there."""
+        ...
+
+    def observe(self, handle: H) -> list[NodeObservation]:
         """One look at every node. May raise; the watch core decides what an error means."""
         ...
 
-    async def observe_async(self, handle: Any) -> list[NodeObservation]: ...
+    async def observe_async(self, handle: H) -> list[NodeObservation]: ...
 
-    def read_new_log_lines(self, handle: Any) -> list[str]:
+    def read_new_log_lines(self, handle: H) -> list[str]:
         """Lines of the group's logs not returned before (by this instance)."""
         ...
 
-    def log_locations(self, handle: Any) -> list[str]: ...
+    def log_locations(self, handle: H) -> list[str]: ...
 
-    def explain(self, handle: Any, status: GroupStatus) -> FailureReport:
+    def explain(self, handle: H, status: GroupStatus) -> FailureReport:
         """The failure message (first failing rank, reason, log tail) and whether a retry may help."""
         ...
 
-    def teardown(self, handle: Any) -> None:
+    def teardown(self, handle: H) -> None:
         """Stop every process or pod of the group. Idempotent and total."""
         ...
 
-    async def teardown_async(self, handle: Any) -> None:
+    async def teardown_async(self, handle: H) -> None:
         await asyncio.to_thread(self.teardown, handle)
 
-    def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> GroupHandle | None:
+    def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> H | None:
         """A live group of an earlier try of this task instance to attach to (none by default)."""
         return None
 
@@ -124,53 +207,39 @@ class Backend(Protocol):
         """Stop groups earlier tries of this task instance left running; their ids (none by default)."""
         return []
 
-    def relaunch_reason(self, handle: Any, status: GroupStatus) -> Relaunch | None:
+    def relaunch_reason(self, handle: H, status: GroupStatus) -> Relaunch | None:
         """Why this failed group may be launched again within the try without spending a retry."""
         return None
 
-    def progress_mark(self, handle: Any) -> object | None:
-        """A value that changes whenever the group shows progress; ``None``: this backend cannot tell."""
+    def progress_mark(self, handle: H) -> ProgressMark | None:
+        """What the backend sees of the ranks' output (changes whenever they wrote more);
+        ``None``: this backend cannot tell."""
         return None
 
-    async def progress_mark_async(self, handle: Any) -> object | None:
+    async def progress_mark_async(self, handle: H) -> ProgressMark | None:
         return await asyncio.to_thread(self.progress_mark, handle)
 
-    def read_progress_lines(self, handle: Any) -> list[str]:
+    def read_progress_lines(self, handle: H) -> list[str]:
         """Lines of the ranks' logs written since the last call (by this instance) that may hold
         progress records; none by default (the group's state still shows, its steps do not)."""
         return []
 
-    async def read_progress_lines_async(self, handle: Any) -> list[str]:
+    async def read_progress_lines_async(self, handle: H) -> list[str]:
         return await asyncio.to_thread(self.read_progress_lines, handle)
 
-    def process_groups(self, handle: Any) -> list[dict[str, Any]] | None:
+    def process_groups(self, handle: H) -> list[dict[str, Any]] | None:
         """What each rank's launcher recorded about the process group its script joined (see
         :mod:`airflow_torchrun.worker.launch`); ``None``: this backend cannot tell."""
         return None
 
 
-# name -> (module, class): imported only when used, so parsing a DAG never loads a backend.
-_REGISTRY = {
-    "local": ("airflow_torchrun.backends.local", "LocalBackend"),
-    "kubernetes": ("airflow_torchrun.backends.kubernetes", "KubernetesBackend"),
-}
-
-
-def _backend_class(name: str) -> Any:
-    try:
-        module, attr = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_REGISTRY)}") from None
-    return getattr(importlib.import_module(module), attr)
-
-
-def backend_for(name: str, **options: Any) -> Backend:
-    """A new backend by name with its constructor options."""
-    backend: Backend = _backend_class(name)(**options)
+def backend_for_task(name: str, options: BackendOptions) -> Backend[Any]:
+    """The backend a task of ``backend=name`` uses, from its operator's backend options."""
+    backend: Backend[Any] = backend_class(name).for_task(options)
     return backend
 
 
-def backend_from_handle(handle: GroupHandle) -> Backend:
+def backend_from_handle(handle: GroupHandle) -> Backend[Any]:
     """The backend that launched ``handle``, rebuilt from the handle alone (another process)."""
-    backend: Backend = _backend_class(handle.backend).from_handle(handle)
+    backend: Backend[Any] = backend_class(handle.backend).from_handle(handle)
     return backend

@@ -84,4 +84,19 @@ class KubernetesHandle(GroupHandle):
     deployment: str | None = None
 
 
+# Bounds on what a group, its files or an XCom may claim about it, far above any real group (a
+# Kubernetes Indexed Job has at most 100,000 completions): whoever reads such a claim (the view)
+# sizes no loop by more.
+MAX_NODES = 100_000
+MAX_WORLD_SIZE = 10_000_000
+MAX_RELAUNCH = 1_000
+
+
+def bounded_int(value: object, *, low: int, high: int) -> int | None:
+    """``value`` when it is a whole number within ``[low, high]``, else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        return None
+    return value
+
+
 _TYPES: dict[str, type[GroupHandle]] = {cls.backend: cls for cls in (LocalHandle, KubernetesHandle)}

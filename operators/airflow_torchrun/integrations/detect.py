@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from airflow_torchrun.checkpoint import CheckpointStore
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
 
 # How deep below the root to look: ``<root>/lightning/checkpoints/last.ckpt`` is 3 levels down.
 MAX_DEPTH = 3

@@ -20,7 +20,7 @@ directory, a temporary one included: the store is what survives.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -72,11 +72,29 @@ def resume_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
             "TorchrunCallback; load it with airflow_torchrun.worker.load_checkpoint() instead"
         )
     target = Path(output_dir) / f"checkpoint-{resume_step()}"
-    for name, data in state["files"].items():
-        path = target / name
+    # The names come from the checkpoint, which whoever can write the store chose: every one must
+    # land inside the target, checked for all before any is written.
+    files = {_inside(target, name): data for name, data in state["files"].items()}
+    for path, data in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)  # ranks sharing a disk write the same bytes: the last rename wins
     _barrier()
     return str(target)
+
+
+def _inside(target: Path, name: object) -> Path:
+    """``target / name`` when ``name`` is a relative path that stays inside ``target``; raises otherwise."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) and "\0" not in name else ()
+    if not parts or PurePosixPath(str(name)).is_absolute() or ".." in parts:
+        raise ValueError(
+            f"the checkpoint to resume from ({os.environ.get('TRAIN_RESUME_FROM')}) names a file {name!r} outside "
+            f"{target}; none of its files was written. TorchrunCallback never writes such a name: resume from "
+            "another checkpoint (resume=...), or remove this one from the store"
+        )
+    path = target.joinpath(*parts)
+    # A symbolic link already inside the target could still lead out of it.
+    if not path.resolve().is_relative_to(target.resolve()):
+        raise ValueError(f"{path} resolves outside {target} (through a symbolic link); none of the files was written")
+    return path

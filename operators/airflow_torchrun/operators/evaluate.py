@@ -6,13 +6,16 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from airflow_torchrun import contract
 from airflow_torchrun.compat import AirflowFailException
 from airflow_torchrun.operators.group import GroupOperator
-from airflow_torchrun.worker.metrics import METRICS_ENV
+from airflow_torchrun.settings import flag
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.handles import GroupHandle
-    from airflow_torchrun.compat import Context
+    from airflow_torchrun.books import TryBooks
+    from airflow_torchrun.operators.contracts import TaskIO
+    from airflow_torchrun.spec import GroupSpec
     from airflow_torchrun.watch import Verdict
 
 
@@ -33,6 +36,11 @@ class EvaluateModelOperator(GroupOperator):
     :param metrics_prefix: Prefix of the metric names in MLflow (default ``eval_``).
     :param shard_manifest: URI of a ``ShardDatasetOperator`` manifest (``TRAIN_SHARD_MANIFEST``;
         the evaluation split is in it). Templated.
+    :param trust_sharded: Let the ranks load a sharded (``torch.distributed.checkpoint``) checkpoint
+        from outside this DAG run's default checkpoint area (``<[torchrun] checkpoint_base>/<dag>/<run>``):
+        its metadata is unpickled, so only for stores no one untrusted can write to. A checkpoint
+        inside that area (a training task of this run on its default ``checkpoint_uri``) needs none:
+        trust comes from where the checkpoint is, never from what its commit marker says.
 
     The group's arguments (``script``, ``num_nodes``, ``backend``, ``runtime``, timeouts,
     ``deferrable``, storage access...) mean what they mean for
@@ -54,72 +62,155 @@ class EvaluateModelOperator(GroupOperator):
         mlflow_run_id: str | None = None,
         metrics_prefix: str = "eval_",
         shard_manifest: str | None = None,
+        trust_sharded: bool = False,
         num_nodes: int = 1,
         nproc_per_node: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(num_nodes=num_nodes, nproc_per_node=nproc_per_node, **kwargs)
+        self.trust_sharded = flag("trust_sharded", trust_sharded, self._problems)
         self.checkpoint = checkpoint
         self.mlflow_run_id = mlflow_run_id
         self.metrics_prefix = metrics_prefix
         self.shard_manifest = shard_manifest
         self.validate(allow_templates=True)
 
-    def contract_env(self, context: Context) -> dict[str, str]:
-        from airflow_torchrun.checkpoint import CheckpointStore, ref_from_uri
+    def storage_uris(self) -> Sequence[object]:
+        return (self.checkpoint,)
 
+    def rank_contract(self, io: TaskIO, state: dict[str, Any] | None = None) -> EvaluationContract:
+        return EvaluationContract(
+            io,
+            dag_id=str(self.dag_id),
+            checkpoint=self.checkpoint,
+            mlflow_run_id=self.mlflow_run_id,
+            mlflow_tracking_uri=self.mlflow_tracking_uri,
+            metrics_prefix=self.metrics_prefix,
+            shard_manifest=self.shard_manifest,
+            trust_sharded=self.trust_sharded,
+        )
+
+    # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_start(self) -> Any:
+        from airflow_torchrun.lineage_openlineage import evaluation_lineage_of
+
+        return evaluation_lineage_of(self, None)
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        from airflow_torchrun.lineage_openlineage import evaluation_lineage_of
+
+        return evaluation_lineage_of(self, task_instance)
+
+    def get_openlineage_facets_on_failure(self, task_instance: Any) -> Any:
+        from airflow_torchrun.lineage_openlineage import evaluation_lineage_of
+
+        return evaluation_lineage_of(self, task_instance)
+
+
+class EvaluationContract:
+    """Evaluation's rank contract: the checkpoint as the resume point, where rank 0 reports metrics."""
+
+    def __init__(
+        self,
+        io: TaskIO,
+        *,
+        dag_id: str,
+        checkpoint: str,
+        mlflow_run_id: str | None,
+        mlflow_tracking_uri: str | None,
+        metrics_prefix: str,
+        shard_manifest: str | None,
+        trust_sharded: bool = False,
+    ) -> None:
+        self.io, self.dag_id, self.checkpoint = io, dag_id, checkpoint
+        self.trust_sharded = trust_sharded
+        self.mlflow_run_id, self.mlflow_tracking_uri = mlflow_run_id, mlflow_tracking_uri
+        self.metrics_prefix, self.shard_manifest = metrics_prefix, shard_manifest
+
+    def state(self) -> dict[str, Any]:
+        return {}  # everything it needs is derived again from the task and its try
+
+    def ended(self, handle: GroupHandle, succeeded: bool) -> None:
+        return None
+
+    def books(self) -> TryBooks | None:
+        return None  # an evaluation resumes nothing: no goodput ledger, no audit
+
+    def env(self) -> dict[str, str]:
+        from airflow_torchrun.storage.checkpoints import CheckpointStore
+        from airflow_torchrun.storage.lineage import ref_from_uri
+
+        io = self.io
         if not self.checkpoint:
-            raise AirflowFailException(f"{self._where}: checkpoint is empty; did the training task save one?")
+            raise AirflowFailException(f"{io.where}: checkpoint is empty; did the training task save one?")
         ref = ref_from_uri(self.checkpoint)
-        options = self.storage_options_resolved()
-        store = CheckpointStore(self._checkpoint_root(), options)
+        store = CheckpointStore(self._checkpoint_root(), io.resolved_storage_options())
         # Only a committed checkpoint is evaluated, and only one whose files match its marker.
-        marker = self.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step))
-        problems = self.preflight("checking the checkpoint's files", lambda: store.verify(ref.step, content=False))
+        io.preflight("reading the checkpoint's commit marker", lambda: store.read_marker(ref.step))
+        problems = io.preflight("checking the checkpoint's files", lambda: store.verify(ref.step, content=False))
         if problems:
             raise AirflowFailException(
-                f"{self._where}: checkpoint {self.checkpoint} is damaged ({'; '.join(problems)}); evaluate another step"
+                f"{io.where}: checkpoint {self.checkpoint} is damaged ({'; '.join(problems)}); evaluate another step"
             )
-        metrics_uri = self._metrics_location(context)
-        self.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
+        metrics_uri = self._metrics_location()
+        io.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
         # Storage credentials by the same rule as training's: never in plain pod env.
-        env = self.rank_storage_env(options)
+        env = io.rank_storage_env()
         env.update(
-            {"TRAIN_RESUME_FROM": self.checkpoint, "EVAL_CHECKPOINT_URI": self.checkpoint, METRICS_ENV: metrics_uri}
+            {
+                contract.RESUME_FROM: self.checkpoint,
+                contract.EVAL_CHECKPOINT_URI: self.checkpoint,
+                contract.EVAL_METRICS_URI: metrics_uri,
+            }
         )
-        lineage = marker.get("lineage") if isinstance(marker, dict) else None
-        ti = context["ti"]
-        if isinstance(lineage, dict) and (lineage.get("dag_id"), lineage.get("run_id")) == (self.dag_id, ti.run_id):
-            # A sibling task of this DAG run wrote it: the DAG's own trust domain, sharded or not.
-            env["TRAIN_CHECKPOINT_TRUST_SHARDED"] = "1"
+        if self.trust_sharded or self._in_this_runs_area():
+            env[contract.CHECKPOINT_TRUST_SHARDED] = "1"
         if self.shard_manifest:
-            env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
+            env[contract.SHARD_MANIFEST] = str(self.shard_manifest)
         if self.mlflow_run_id:
             from airflow_torchrun.tracking import rank_env, resolve_tracking_uri
 
             env.update(rank_env(self.mlflow_run_id, resolve_tracking_uri(self.mlflow_tracking_uri)))
         return env
 
-    def contract_env_preview(self, context: Context) -> dict[str, str]:
+    def preview(self) -> dict[str, str]:
         return {
-            "TRAIN_RESUME_FROM": str(self.checkpoint),
-            "EVAL_CHECKPOINT_URI": str(self.checkpoint),
-            METRICS_ENV: self._metrics_location(context),
+            contract.RESUME_FROM: str(self.checkpoint),
+            contract.EVAL_CHECKPOINT_URI: str(self.checkpoint),
+            contract.EVAL_METRICS_URI: self._metrics_location(),
         }
+
+    def _in_this_runs_area(self) -> bool:
+        """Whether the checkpoint lies where this DAG run's training tasks keep theirs by default
+        (``<[torchrun] checkpoint_base>/<dag>/<run>``): a place this deployment configured, unlike
+        the lineage its marker names, which whoever writes the store writes too."""
+        from airflow_torchrun.naming import join, segment
+        from airflow_torchrun.operators.training_contract import checkpoint_base
+        from airflow_torchrun.storage.uri import is_within
+
+        area = join(checkpoint_base(), segment(self.dag_id), segment(str(self.io.ti.run_id)))
+        try:
+            return is_within(self.checkpoint, area)
+        except Exception:  # not a URI this store understands: not in the area
+            return False
 
     def _checkpoint_root(self) -> str:
         return self.checkpoint.rstrip("/").rpartition("/")[0]
 
-    def _metrics_location(self, context: Context) -> str:
+    def _metrics_location(self) -> str:
         """Beside the checkpoint, one file per try (deterministic: a deferred re-entry finds it)."""
-        ti = context["ti"]
-        return f"{self._checkpoint_root()}/eval/{ti.task_id}-try{ti.try_number}.json"
+        from airflow_torchrun.naming import eval_metrics_uri
 
-    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, float]:
-        metrics = self._read_metrics(self._metrics_location(context))
-        context["ti"].xcom_push(
-            key="group_summary",
-            value={
+        ti = self.io.ti
+        index = ti.map_index if isinstance(ti.map_index, int) else -1
+        return eval_metrics_uri(self._checkpoint_root(), ti.task_id, index, ti.try_number)
+
+    def finish(self, handle: GroupHandle, verdict: Verdict, spec: GroupSpec) -> dict[str, float]:
+        io = self.io
+        metrics = self._read_metrics(self._metrics_location())
+        io.push(
+            "group_summary",
+            {
                 "group_id": handle.group_id,
                 "backend": handle.backend,
                 "world_size": handle.world_size,
@@ -127,7 +218,7 @@ class EvaluateModelOperator(GroupOperator):
                 "log_dir": handle.log_dir,
             },
         )
-        self.log.info("Evaluation metrics: %s", json.dumps(metrics, sort_keys=True))
+        io.log.info("Evaluation metrics: %s", json.dumps(metrics, sort_keys=True))
         if self.mlflow_run_id:
             self._log_metrics(metrics)
         return metrics
@@ -141,23 +232,23 @@ class EvaluateModelOperator(GroupOperator):
             for key, value in metrics.items():
                 mlflow.log_metric(str(self.mlflow_run_id), f"{self.metrics_prefix}{key}", value)
         except Exception as exc:
-            self.log.warning(
+            self.io.log.warning(
                 "Could not log the evaluation metrics into MLflow run %s (%s); they are in this task's XCom",
                 self.mlflow_run_id,
                 exc,
             )
 
     def _read_metrics(self, metrics_uri: str) -> dict[str, float]:
-        from airflow_torchrun.checkpoint import CheckpointStore
+        from airflow_torchrun.storage.checkpoints import CheckpointStore
 
         root, _, name = metrics_uri.rpartition("/")
-        store = CheckpointStore(root, self.storage_options_resolved())
+        store = CheckpointStore(root, self.io.resolved_storage_options())
         try:
             with store.fs.open(f"{store.path_of(root)}/{name}", "r") as fp:
                 data = json.load(fp)
         except FileNotFoundError as exc:
             raise AirflowFailException(
-                f"{self._where}: the evaluation script finished without reporting metrics; call "
+                f"{self.io.where}: the evaluation script finished without reporting metrics; call "
                 "airflow_torchrun.worker.metrics.report_metrics({...}) on rank 0"
             ) from exc
         return {str(k): float(v) for k, v in data.items()}

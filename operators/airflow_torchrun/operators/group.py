@@ -1,28 +1,32 @@
 """``GroupOperator``: what every operator that runs a torchrun group shares, and nothing more.
 
-It owns the group's arguments (what to run, on how many agents, where, how it is watched) and
-wires a :class:`~airflow_torchrun.engine.RunEngine`; a subclass adds only its own rank contract
-(:meth:`contract_env`) and its own ending (:meth:`finish`). Both modes run through the same
-engine: sync watches in this process; deferrable watches here for ``defer_after`` seconds and
-then in the triggerer, with the same watch core.
+It owns the group's arguments: what to run and on how many agents (templated, validated when the
+DAG is parsed and again once rendered), and how the group starts, is watched and relaunched
+(settings frozen in ``__init__``). It composes a :class:`~airflow_torchrun.engine.RunEngine` with
+the rank contract its subclass builds (:meth:`rank_contract`). Both modes run through the same
+engine: sync watches in this process; deferrable watches here for ``defer_after`` seconds and then
+in the triggerer, and the trigger's event carries everything the re-entry needs.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from airflow_torchrun.compat import AirflowException, AirflowFailException, AirflowTaskTimeout, BaseOperator, conf
-from airflow_torchrun.errors import InvalidSpecError, TorchrunError, is_transient, retry_transient
+from airflow_torchrun.backends import DEFAULT_BACKEND, backend_class
+from airflow_torchrun.backends.base import BackendOptions
+from airflow_torchrun.compat import AirflowFailException, BaseOperator, conf
+from airflow_torchrun.errors import InvalidSpecError, TorchrunError
+from airflow_torchrun.operators.contracts import GroupContract, TaskIO
+from airflow_torchrun.operators.policy import under_policy
 from airflow_torchrun.settings import (
     DEFAULT_DEFER_AFTER,
     DEFAULT_PREFLIGHT_BUDGET,
     CheckpointSettings,
-    KubernetesSettings,
+    LaunchOptions,
     RunSettings,
+    exit_codes,
+    flag,
     validate_task,
 )
 from airflow_torchrun.spec import (
@@ -32,34 +36,14 @@ from airflow_torchrun.spec import (
     GroupSpec,
     is_templated,
 )
-from airflow_torchrun.state import state_dir
-from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET, Outcome
-from airflow_torchrun.wiring import GroupIdentity
+from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
     from airflow_torchrun.backends.handles import GroupHandle
     from airflow_torchrun.compat import Context
     from airflow_torchrun.engine import Launches, RunEngine
-    from airflow_torchrun.runtimes import Runtime
-    from airflow_torchrun.watch import Verdict
-
-T = TypeVar("T")
-# Credentials never go into plain pod env: anyone who may read Jobs would see them.
-_SECRET_STORAGE_OPTIONS = ("key", "secret", "token")
-
-
-def _codes(value: object) -> tuple[Any, ...]:
-    """Exit codes as a tuple (validated with the settings, so a bad value is listed, not raised here)."""
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence | set | frozenset):
-        return (value,)
-    return tuple(value)
-
-
-# The trigger fires no sooner than this after the deferral: the deferring process must have been
-# reported finished by the executor before the trigger re-queues the task (Airflow 3.3 fails a
-# task whose first process reports "success" while it is queued again).
-DEFER_SETTLE_SECONDS = 10.0
+    from airflow_torchrun.operators.contracts import RankContract
 
 
 class GroupOperator(BaseOperator):
@@ -112,10 +96,9 @@ class GroupOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if deferrable is None:
-            deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
-        self.deferrable = bool(deferrable)
-        self.backend = backend or conf.get("torchrun", "default_backend", fallback="local")
+        self._problems: list[str] = []
+        # What runs, on how many agents, where: templated fields, checked again once rendered.
+        self.backend = backend or conf.get("torchrun", "default_backend", fallback=DEFAULT_BACKEND)
         self.script = self._resolve_script(script)
         self.command = list(command) if command is not None else None
         self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
@@ -123,65 +106,93 @@ class GroupOperator(BaseOperator):
         self.runtime = runtime
         self.num_nodes = num_nodes
         self.nproc_per_node = nproc_per_node
-        self.rdzv_port = rdzv_port
-        self.rdzv_timeout = rdzv_timeout
-        self.startup_timeout = startup_timeout
-        self.teardown_grace = teardown_grace
-        self.threads_per_proc = threads_per_proc
-        self.poll_interval = poll_interval
-        self.progress_timeout = progress_timeout
-        self.observe_error_budget = observe_error_budget
-        self.preflight_budget = preflight_budget
+        # How the group starts, is watched and relaunched, and what it reaches: frozen now.
+        if deferrable is None:
+            deferrable = conf.getboolean("operators", "default_deferrable", fallback=False)
         if defer_after is None:
             defer_after = conf.getfloat("torchrun", "defer_after", fallback=DEFAULT_DEFER_AFTER)
-        self.defer_after = defer_after
-        self.max_preemptions = max_preemptions
-        self.max_restarts = max_restarts
-        self.retry_on_exit_codes = None if retry_on_exit_codes is None else _codes(retry_on_exit_codes)
-        self.fail_on_exit_codes = _codes(fail_on_exit_codes)
+        self.launch_options = LaunchOptions(
+            rdzv_port=rdzv_port,
+            rdzv_timeout=rdzv_timeout,
+            startup_timeout=startup_timeout,
+            teardown_grace=teardown_grace,
+            threads_per_proc=threads_per_proc,
+        )
+        self.run_settings = RunSettings(
+            poll_interval=poll_interval,
+            progress_timeout=progress_timeout,
+            observe_error_budget=observe_error_budget,
+            preflight_budget=preflight_budget,
+            deferrable=flag("deferrable", deferrable, self._problems),
+            defer_after=defer_after,
+            max_preemptions=max_preemptions,
+            max_restarts=max_restarts,
+            retry_on_exit_codes=None if retry_on_exit_codes is None else exit_codes(retry_on_exit_codes),
+            fail_on_exit_codes=exit_codes(fail_on_exit_codes),
+        )
+        self.backend_options = BackendOptions(namespace=namespace, kubernetes_conn_id=kubernetes_conn_id)
         self.aws_conn_id = aws_conn_id
         self.storage_options = dict(storage_options or {})
         self.mlflow_tracking_uri = mlflow_tracking_uri
-        self.namespace = namespace
-        self.kubernetes_conn_id = kubernetes_conn_id
         self._engine: RunEngine | None = None
         self._killed = False
 
+    @property
+    def deferrable(self) -> bool:
+        return self.run_settings.deferrable
+
+    @property
+    def namespace(self) -> str | None:
+        return self.backend_options.namespace
+
+    @property
+    def kubernetes_conn_id(self) -> str | None:
+        return self.backend_options.kubernetes_conn_id
+
     # -- what a subclass adds -------------------------------------------------------------------
-    def contract_env(self, context: Context) -> dict[str, str]:
-        """The rank contract beyond torchrun's variables; may do I/O (checked before any rank starts)."""
-        return {}
+    def rank_contract(self, io: TaskIO, state: dict[str, Any] | None = None) -> RankContract:
+        """This try's rank contract (``state``: what :meth:`RankContract.state` gave before a deferral)."""
+        return GroupContract()
 
     def contract_env_preview(self, context: Context) -> dict[str, str]:
-        """What :meth:`contract_env` will add, without I/O (for ``airflow-torchrun render``)."""
-        return {}
-
-    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> Any:
-        """The task's result once the group ended well (failures are raised before this); by
-        default the group's id and its nodes' exit codes."""
-        return {"group_id": handle.group_id, "node_exit_codes": [n.exit_code for n in verdict.nodes]}
-
-    def on_group_end(self, context: Context, succeeded: bool) -> None:
-        """Called once the try's outcome is known (the group's and :meth:`finish`'s), before the task
-        succeeds or fails."""
+        """What the rank contract adds to every rank's environment, without I/O (``airflow-torchrun render``)."""
+        io = TaskIO(context=context, where=self._where, log=self.log, backend=None, preflight_budget=0.0)
+        return self.rank_contract(io).preview()
 
     def checkpoint_settings(self) -> CheckpointSettings | None:
+        """The task's checkpoint settings, for the checks (training only)."""
         return None
-
-    def kubernetes_settings(self) -> KubernetesSettings:
-        return KubernetesSettings(
-            namespace=self.namespace,
-            kubernetes_conn_id=self.kubernetes_conn_id,
-            active_deadline_seconds=self.execution_timeout_seconds(),
-        )
 
     def tracking_uri(self) -> str | None:
         """The MLflow store the ranks log into, when the task tracks (checked at parse time)."""
         return None
 
-    def execution_timeout_seconds(self) -> float | None:
+    def storage_uris(self) -> Sequence[object]:
+        """The task's storage URIs (training: ``checkpoint_uri``; evaluation: ``checkpoint``)."""
+        return ()
+
+    def storage_conn_id(self) -> str | None:
+        """The AWS connection of the task's storage: ``aws_conn_id``, else the one its URIs name
+        (``s3://<conn_id>@bucket/...``, as ``ObjectStoragePath`` writes it). Two different ones: refused."""
+        from airflow_torchrun.storage.uri import split_conn_id
+
+        named = {split_conn_id(u)[0] for u in self.storage_uris() if isinstance(u, str) and not is_templated(u)}
+        named.discard(None)
+        if self.aws_conn_id:
+            named.add(self.aws_conn_id)
+        if len(named) > 1:
+            raise AirflowFailException(
+                f"{self._where}: the storage URIs and aws_conn_id name different connections "
+                f"({', '.join(sorted(str(n) for n in named))}); name one"
+            )
+        return next(iter(named), None)
+
+    def task_backend_options(self) -> BackendOptions:
+        """What the backend takes from the task; the task's ``execution_timeout`` is the Job's own deadline."""
+        from dataclasses import replace
+
         timeout = self.execution_timeout
-        return timeout.total_seconds() if timeout is not None else None
+        return replace(self.backend_options, active_deadline_seconds=timeout.total_seconds() if timeout else None)
 
     # -- the spec and settings ----------------------------------------------------------------
     @property
@@ -189,29 +200,16 @@ class GroupOperator(BaseOperator):
         dag_id = self.dag_id if self.has_dag() else "<no dag>"
         return f"task {dag_id}.{self.task_id}"
 
-    def run_settings(self) -> RunSettings:
-        return RunSettings(
-            poll_interval=self.poll_interval,
-            progress_timeout=self.progress_timeout,
-            observe_error_budget=self.observe_error_budget,
-            preflight_budget=self.preflight_budget,
-            deferrable=self.deferrable,
-            defer_after=self.defer_after,
-            max_preemptions=self.max_preemptions,
-            max_restarts=self.max_restarts,
-            retry_on_exit_codes=self.retry_on_exit_codes,
-            fail_on_exit_codes=self.fail_on_exit_codes,
-        )
-
     def validate(self, *, allow_templates: bool) -> GroupSpec | None:
         """Spec and settings together: one error listing every problem (parse time, then rendered)."""
         return validate_task(
             lambda: self._make_spec(allow_templates=allow_templates),
             where=self._where,
             backend=self.backend,
-            run=self.run_settings(),
+            run=self.run_settings,
             checkpoint=self.checkpoint_settings(),
             tracking_uri=self.tracking_uri(),
+            extra=self._problems,
         )
 
     def group_spec(self) -> GroupSpec:
@@ -220,33 +218,28 @@ class GroupOperator(BaseOperator):
         assert spec is not None  # validate_task raises whenever the spec could not be made
         return spec
 
-    def _resolve_script(self, script: str | None) -> str | None:
-        """Locally, a relative script is looked up here, then beside the DAG file. Elsewhere the
-        path is inside the image and left alone."""
-        if self.backend != "local" or not isinstance(script, str) or is_templated(script) or os.path.isabs(script):
-            return script
-        if Path(script).is_file():
-            return str(Path(script).resolve())
-        if self.has_dag() and self.dag.fileloc:
-            beside_dag = Path(self.dag.fileloc).parent / script
-            if beside_dag.is_file():
-                return str(beside_dag)
-        return script
-
-    def _runtime(self) -> Runtime | None:
-        """The platform runtime (Kubernetes backend; an unknown name fails here, at parse time)."""
-        if self.backend != "kubernetes" or is_templated(self.runtime):
+    def _backend_class(self) -> type[Backend[Any]] | None:
+        try:
+            return None if is_templated(self.backend) else backend_class(self.backend)
+        except ValueError:  # an unknown backend: the spec lists it
             return None
-        from airflow_torchrun.runtimes import get_runtime
 
-        return get_runtime(self.runtime, where=self._where)
+    def _resolve_script(self, script: str | None) -> str | None:
+        cls = self._backend_class()
+        if cls is None or not isinstance(script, str) or is_templated(script):
+            return script
+        return cls.resolve_script(script, self.dag.fileloc if self.has_dag() else None)
 
     def _make_spec(self, *, allow_templates: bool) -> GroupSpec:
-        script = self._resolve_script(self.script) if not allow_templates else self.script
-        runtime = self._runtime()
+        script = self.script if allow_templates else self._resolve_script(self.script)
         nproc = self.nproc_per_node
+        cls = self._backend_class()
         if nproc is None:
-            nproc = runtime.nproc_per_node if runtime is not None else 1
+            nproc = (
+                1
+                if cls is None or is_templated(self.runtime)
+                else cls.default_nproc_per_node(self.runtime, self._where)
+            )
         return GroupSpec.create(
             num_nodes=self.num_nodes,
             nproc_per_node=nproc,
@@ -256,150 +249,29 @@ class GroupOperator(BaseOperator):
             env=self.env,
             backend=self.backend,
             runtime=self.runtime,
-            rdzv_port=self.rdzv_port,
-            rdzv_timeout=self.rdzv_timeout,
-            startup_timeout=self.startup_timeout,
-            teardown_grace=self.teardown_grace,
-            threads_per_proc=self.threads_per_proc,
+            **self.launch_options.spec_arguments(),
             where=self._where,
             allow_templates=allow_templates,
         )
 
-    def _make_backend(self) -> Backend:
-        from airflow_torchrun.backends.base import backend_for
-
-        if self.backend == "kubernetes":
-            from airflow_torchrun.backends.kubernetes import deployment_name
-
-            k = self.kubernetes_settings()
-            return backend_for(
-                "kubernetes",
-                deployment=deployment_name(),
-                namespace=k.namespace,
-                kubernetes_conn_id=k.kubernetes_conn_id,
-                all_ranks_logs=k.all_ranks_logs,
-                active_deadline_seconds=k.active_deadline_seconds,
-            )
-        return backend_for(self.backend, state_dir=state_dir())
-
-    # -- storage access, shared by every operator ------------------------------------------------
-    def storage_options_resolved(self) -> dict[str, Any]:
-        from airflow_torchrun.checkpoint import storage_options_from_aws_conn_id
-
-        options: dict[str, Any] = {}
-        if self.aws_conn_id:
-            # The Amazon provider's hooks: keys, role_arn (assume-role), profiles, web identity.
-            conn_id = self.aws_conn_id
-            options = self.preflight("resolving the AWS connection", lambda: storage_options_from_aws_conn_id(conn_id))
-        return {**options, **self.storage_options}
-
-    def rank_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
-        """Storage access for the ranks. Local: the connection's credentials in their environment.
-        Kubernetes: never credentials in plain pod env; pods get them from the runtime's Secrets or
-        service account."""
-        from airflow_torchrun.checkpoint import storage_env
-
-        if self.backend != "kubernetes":
-            return self._local_storage_env(options)
-        public = {k: v for k, v in options.items() if k not in _SECRET_STORAGE_OPTIONS}
-        if len(public) != len(options):
-            self.log.warning(
-                "Not passing the credentials of aws_conn_id=%s to the pods in plain text; give the runtime "
-                "env_from_secrets or a service account with access to the bucket",
-                self.aws_conn_id,
-            )
-        return storage_env(public)
-
-    def _local_storage_env(self, options: Mapping[str, Any]) -> dict[str, str]:
-        """The connection's credentials in the ranks' environment; with ``role_arn``, a private AWS
-        profile instead, so that the ranks assume the role themselves and their session refreshes."""
-        from airflow_torchrun.aws import rank_role_for
-        from airflow_torchrun.checkpoint import storage_env
-        from airflow_torchrun.naming import short_hash
-
-        if not self.aws_conn_id:
-            return storage_env(options)
-        role, why_not = rank_role_for(self.aws_conn_id)
-        if role is None:
-            if why_not:
-                self.log.warning(
-                    "aws_conn_id=%s: the ranks get the role's temporary session, which they cannot refresh (%s); "
-                    "a run longer than the role's session duration loses access to storage",
-                    self.aws_conn_id,
-                    why_not,
-                )
-            return storage_env(options)
-        env = storage_env({k: v for k, v in options.items() if k not in _SECRET_STORAGE_OPTIONS})
-        path = state_dir() / "credentials" / f"{short_hash(role.config_text())}.ini"
-        env.update(role.write(path))
-        self.log.info(
-            "aws_conn_id=%s: the ranks assume %s themselves (AWS profile %s in a file only its owner can read), "
-            "so their credentials refresh however long the run",
-            self.aws_conn_id,
-            role.role_arn,
-            env["AWS_PROFILE"],
-        )
-        return env
-
-    def preflight(self, what: str, call: Callable[[], T]) -> T:
-        """One call to storage or tracking under the error policy: transient trouble is retried within
-        ``preflight_budget`` seconds, then fails the try retryably; a permanent error fails the task
-        without retry."""
-        budget = float(self.preflight_budget)
-        try:
-            return retry_transient(call, budget=budget, what=f"{self._where}: {what}", log=self.log)
-        except Exception as exc:
-            if is_transient(exc):
-                raise self._under_policy(exc, f"{what} failed for {budget:g}s") from exc
-            if isinstance(exc, TorchrunError):
-                raise self._under_policy(exc, f"{what} failed") from exc
-            raise
-
-    def _under_policy(self, exc: Exception, what: str = "") -> Exception:
-        """The Airflow exception for an error of ours: retryable when transient, else final."""
-        head = f"{self._where}: {what + ': ' if what else ''}{exc}"
-        if is_transient(exc):
-            return AirflowException(f"{head}. A retry may succeed")
-        return AirflowFailException(f"{head}\n(A retry cannot fix this; not retrying.)")
-
     # -- running ------------------------------------------------------------------------------
-    def _identity(self, context: Context) -> Callable[[int], GroupIdentity]:
-        ti = context["ti"]
-
-        def identity(relaunch: int) -> GroupIdentity:
-            return GroupIdentity(
-                dag_id=ti.dag_id,
-                task_id=ti.task_id,
-                run_id=ti.run_id,
-                try_number=ti.try_number,
-                map_index=ti.map_index if ti.map_index is not None else -1,
-                relaunch=relaunch,
-            )
-
-        return identity
-
-    def _deadline(self, context: Context, fallback: float) -> float | None:
-        if self.execution_timeout is None:
-            return None
-        started = context["ti"].start_date
-        start = started.timestamp() if started is not None else fallback
-        return start + self.execution_timeout.total_seconds()
-
-    def _new_engine(self, context: Context, spec: GroupSpec, backend: Backend) -> RunEngine:
-        """The engine of this try; it resolves the rank contract for every launch (a relaunch
-        resumes from the checkpoint its predecessor committed)."""
+    def _engine_for(
+        self, context: Context, spec: GroupSpec, backend: Backend[Any], state: dict[str, Any] | None = None
+    ) -> RunEngine:
+        """The engine of this try, with its rank contract (resolved anew for every launch)."""
         from airflow_torchrun.engine import RunEngine
 
-        ti = context["ti"]
-        engine = RunEngine(
-            backend=backend,
-            spec=spec,
-            settings=self.run_settings(),
+        io = TaskIO(
+            context=context,
+            where=self._where,
             log=self.log,
-            push=lambda key, value: ti.xcom_push(key=key, value=value),
-            identity=self._identity(context),
-            contract_env=lambda: self.contract_env(context),
-            killed=self._killed,
+            backend=backend,
+            preflight_budget=float(self.run_settings.preflight_budget),
+            aws_conn_id=self.storage_conn_id(),
+            storage_options=self.storage_options,
+        )
+        engine = RunEngine.for_try(
+            context, backend, spec, self.run_settings, self.rank_contract(io, state), self.log, killed=self._killed
         )
         self._engine = engine
         return engine
@@ -411,21 +283,23 @@ class GroupOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from exc
 
     def execute(self, context: Context) -> Any:
+        from airflow_torchrun.backends.base import backend_for_task
+
         spec = self._rendered_spec()
-        engine = self._new_engine(context, spec, self._make_backend())
+        engine = self._engine_for(context, spec, backend_for_task(spec.backend, self.task_backend_options()))
         try:
             handle, launches = engine.start()
-            engine.deadline = self._deadline(context, handle.launched_at)
-            defer = (lambda h, n: self._defer(context, engine, h, n)) if self.deferrable else None
-            handle, verdict = engine.drive(handle, launches, defer=defer)
+            engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
+            handle, verdict = engine.drive(handle, launches, defer=self._deferring(engine))
         except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
-            raise self._under_policy(exc) from exc
-        return self._end(context, engine, handle, verdict)
+            raise under_policy(exc, self._where) from exc
+        return engine.conclude(handle, verdict)
 
     def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
-        """Re-entry after the trigger fired: rebuild everything from the event, then go on as sync mode does."""
+        """Re-entry after the trigger fired: everything rebuilt from the event, then as sync mode goes on."""
         from airflow_torchrun.backends.base import backend_from_handle
-        from airflow_torchrun.engine import XCOM_LAUNCHES, Launches
+        from airflow_torchrun.engine import Launches
+        from airflow_torchrun.timeline import Timeline
         from airflow_torchrun.triggers import GroupEvent
 
         group_event = GroupEvent.from_payload(event)
@@ -437,65 +311,31 @@ class GroupOperator(BaseOperator):
         except BaseException:
             backend.teardown(handle)  # whatever the trigger saw, nothing may run on unwatched
             raise
-        engine = self._new_engine(context, spec, backend)
+        engine = self._engine_for(context, spec, backend, dict(group_event.carry.get("contract") or {}))
         engine.handle = handle
-        engine.deadline = self._deadline(context, handle.launched_at)
-        ti = context["ti"]
-        launches = Launches.from_dict(ti.xcom_pull(task_ids=self.task_id, key=XCOM_LAUNCHES, map_indexes=ti.map_index))
+        engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
+        engine.timeline = Timeline.from_list(group_event.carry.get("timeline"))
+        if engine.books is not None:
+            engine.books.restore(group_event.carry.get("books"))
+        launches = Launches.from_dict(group_event.carry.get("launches"))
         try:
             handle, verdict = engine.drive(
-                handle,
-                launches,
-                verdict=group_event.verdict(),
-                defer=lambda h, n: self._defer(context, engine, h, n),
+                handle, launches, verdict=group_event.verdict(), seen=group_event.seen, defer=self._deferring(engine)
             )
         except TorchrunError as exc:
-            raise self._under_policy(exc) from exc
-        return self._end(context, engine, handle, verdict)
+            raise under_policy(exc, self._where) from exc
+        return engine.conclude(handle, verdict)
 
-    def _defer(self, context: Context, engine: RunEngine, handle: GroupHandle, launches: Launches) -> NoReturn:
-        from airflow_torchrun.triggers import GroupTrigger
+    def _deferring(self, engine: RunEngine) -> Callable[[GroupHandle, Launches], NoReturn] | None:
+        """Deferrable mode: hand the group to the trigger (``defer`` raises; the task re-enters later)."""
+        if not self.run_settings.deferrable:
+            return None
 
-        self.defer(
-            trigger=GroupTrigger(
-                handle=handle.to_dict(),
-                poll_interval=max(float(self.poll_interval), 1.0),
-                progress_timeout=self.progress_timeout,
-                deadline=engine.deadline,
-                error_budget=float(self.observe_error_budget),
-                not_before=time.time() + DEFER_SETTLE_SECONDS,
-            ),
-            method_name="execute_complete",
-        )
-        raise AssertionError("defer() returned")  # pragma: no cover - defer always raises
+        def defer(handle: GroupHandle, launches: Launches) -> NoReturn:
+            self.defer(trigger=engine.trigger(handle, launches), method_name="execute_complete")
+            raise AssertionError("defer() returned")  # pragma: no cover - defer always raises
 
-    def _end(self, context: Context, engine: RunEngine, handle: GroupHandle, verdict: Verdict) -> Any:
-        """Succeed with :meth:`finish`, or fail with the group's story (retryable or not)."""
-        if verdict.outcome is Outcome.SUCCEEDED:
-            try:
-                result = self.finish(context, handle, verdict)
-            except BaseException:
-                self.on_group_end(context, False)
-                raise
-            self.on_group_end(context, True)
-            return result
-        self.on_group_end(context, False)
-        if verdict.outcome is Outcome.TIMEOUT:
-            raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
-        if verdict.outcome in (Outcome.ERROR, Outcome.PROGRESS_TIMEOUT):
-            where = ", ".join(engine.backend.log_locations(handle))
-            message = f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}"
-            if not verdict.transient:  # e.g. the cluster forbids looking at the group: a retry would too
-                raise AirflowFailException(f"{message}\n(A retry cannot fix this; not retrying.)")
-            raise AirflowException(message)
-        report = engine.explain(handle, verdict)
-        self.log.error("%s", report.message)
-        if not report.retryable:
-            raise AirflowFailException(f"{report.message}\n(A retry cannot fix this; not retrying.)")
-        why = engine.permanent(handle, verdict)
-        if why:
-            raise AirflowFailException(f"{report.message}\n(Not retrying: {why}.)")
-        raise AirflowException(report.message)
+        return defer
 
     def on_kill(self) -> None:
         """Task cleared, marked failed, or timed out in the UI: stop the whole group (or, before it

@@ -1,4 +1,6 @@
-"""``RegisterModelOperator``: put a trained model in the MLflow Model Registry behind a quality gate."""
+"""``RegisterModelOperator``: put a trained model in the MLflow Model Registry behind a quality gate;
+``PromoteModelOperator``: move the champion alias to it, after a human approved (see
+:mod:`airflow_torchrun.operators.approval`)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,28 @@ TAG_RUN_ID = "airflow.run_id"
 TAG_TASK_ID = "airflow.task_id"
 #: ...and that its aliases were set (a try that died in between finishes the job on retry).
 TAG_DONE = "airflow.registration_complete"
-#: The gate metrics' values, so a later run can compare against this version.
+#: The metrics' values, so a later run (and the approval's comparison) can compare against this version.
 METRIC_TAG_PREFIX = "metric."
+#: At most this many metrics are tagged on a version (a tag each): the gate's first, then the rest by name.
+MAX_METRIC_TAGS = 30
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Whether a registered version should become the champion, and why: what an approver reads."""
+
+    promote: bool
+    why: str
+    champion_version: int | None  # the champion it was compared with (None: there was none)
+    champion_metrics: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "promote": self.promote,
+            "why": self.why,
+            "champion_version": self.champion_version,
+            "champion_metrics": dict(self.champion_metrics),
+        }
 
 
 @dataclass(frozen=True)
@@ -114,7 +136,13 @@ class RegisterModelOperator(BaseOperator):
     better; a tie keeps the champion). When the gate fails the task is skipped, with the reason in
     the log. One DAG run registers at most one version: versions are tagged with the DAG id and
     run id, and a retry or a re-run returns the version already registered. Returns
-    ``{"name", "version", "aliases", "run_id", "champion"}`` through XCom.
+    ``{"name", "version", "aliases", "run_id", "champion", "metrics", "gate", "proposal"}`` through
+    XCom; ``proposal`` says whether the version should become champion and why, with the champion it
+    was compared with and that champion's metrics.
+
+    With ``promote=False`` the version gets ``candidate`` only: the proposal is left to a
+    :class:`~airflow_torchrun.operators.approval.ModelApprovalOperator` and a
+    :class:`PromoteModelOperator` downstream (a human approves before the champion alias moves).
 
     :param model_name: Registered model name (templated).
     :param run_id: MLflow run that logged the model (templated), e.g. the training task's run id
@@ -129,6 +157,8 @@ class RegisterModelOperator(BaseOperator):
         (``MLFLOW_TRACKING_URI``, else the SQLite store in the state directory).
     :param candidate_alias: Alias every registered version takes.
     :param champion_alias: Alias of the best version so far.
+    :param promote: Move ``champion_alias`` here when the version beats the champion (default). False:
+        only propose it (``proposal`` in the result) for an approval and a promotion task to act on.
     """
 
     template_fields: Sequence[str] = ("model_name", "run_id", "gate", "metrics", "model_artifact")
@@ -147,9 +177,13 @@ class RegisterModelOperator(BaseOperator):
         tracking_uri: str | None = None,
         candidate_alias: str = "candidate",
         champion_alias: str = "champion",
+        promote: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if not isinstance(promote, bool):  # bool("false") is True: a flag is a bool or refused
+            raise InvalidSpecError([f"promote must be True or False, got {promote!r}"], f"task {self.task_id}")
+        self.promote = promote
         self.model_name = model_name
         self.run_id = run_id
         self.gate = dict(gate) if isinstance(gate, Mapping) else gate
@@ -216,14 +250,49 @@ class RegisterModelOperator(BaseOperator):
                 self.model_name,
                 version.version,
             )
+            proposal = self.proposal(client, version, rules, metrics)
             return self._publish(
-                context, self._result(client, version, champion=self.champion_alias in (version.aliases or []))
+                context,
+                self._result(
+                    client,
+                    version,
+                    champion=self.champion_alias in (version.aliases or []),
+                    rules=rules,
+                    metrics=metrics,
+                    proposal=proposal,
+                ),
             )
         if version is None:
             version = self._create_version(client, run_id, ti, rules, metrics)
-        champion = self._set_aliases(client, version, rules, metrics)
+        client.set_registered_model_alias(self.model_name, self.candidate_alias, str(version.version))
+        proposal = self.proposal(client, version, rules, metrics)
+        champion = (
+            self._take(client, version, proposal) if self.promote else proposal.champion_version == int(version.version)
+        )
+        if not self.promote:
+            self.log.info(
+                "Version %s of %s is %s; %s %s: %s (promotion left to the approval)",
+                version.version,
+                self.model_name,
+                self.candidate_alias,
+                "proposed as" if proposal.promote else "not proposed as",
+                self.champion_alias,
+                proposal.why,
+            )
         client.set_model_version_tag(self.model_name, str(version.version), TAG_DONE, "true")
-        return self._publish(context, self._result(client, version, champion=champion))
+        return self._publish(
+            context,
+            self._result(client, version, champion=champion, rules=rules, metrics=metrics, proposal=proposal),
+        )
+
+    # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        # execute()'s result, from memory: the provider calls this in a forked process, where an XCom
+        # read through the task's supervisor channel hung until the listener killed it.
+        from airflow_torchrun.lineage_openlineage import registration_lineage
+        from airflow_torchrun.tracking import resolve_tracking_uri
+
+        return registration_lineage(getattr(self, "_lineage_result", None), resolve_tracking_uri(self.tracking_uri))
 
     def _metrics(self, client: MlflowClient, run_id: str, given: Mapping[str, Any] | None) -> dict[str, float]:
         from mlflow.exceptions import MlflowException
@@ -310,7 +379,7 @@ class RegisterModelOperator(BaseOperator):
             TAG_DAG_ID: str(ti.dag_id),
             TAG_RUN_ID: str(ti.run_id),
             TAG_TASK_ID: str(ti.task_id),
-            **{f"{METRIC_TAG_PREFIX}{r.metric}": repr(metrics[r.metric]) for r in rules},
+            **{f"{METRIC_TAG_PREFIX}{name}": repr(metrics[name]) for name in _tagged(rules, metrics)},
         }
         version = client.create_model_version(
             self.model_name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags, model_id=model.model_id
@@ -330,43 +399,64 @@ class RegisterModelOperator(BaseOperator):
             return None if value is None else float(value)
         return None
 
-    def _set_aliases(
-        self, client: MlflowClient, version: ModelVersion, rules: list[GateRule], metrics: Mapping[str, float]
-    ) -> bool:
+    def _champion_metrics(self, client: MlflowClient, champion: ModelVersion) -> dict[str, float]:
+        """The champion's metrics: its tags (written at its registration), else its run's metrics."""
+        out: dict[str, float] = {}
+        for key, value in (champion.tags or {}).items():
+            if key.startswith(METRIC_TAG_PREFIX):
+                try:
+                    out[key[len(METRIC_TAG_PREFIX) :]] = float(value)
+                except ValueError:
+                    continue
+        if out or not champion.run_id:
+            return out
         from mlflow.exceptions import MlflowException
 
-        name, number = self.model_name, str(version.version)
-        client.set_registered_model_alias(name, self.candidate_alias, number)
         try:
-            champion = client.get_model_version_by_alias(name, self.champion_alias)
+            return {str(k): float(v) for k, v in client.get_run(champion.run_id).data.metrics.items()}
+        except MlflowException:
+            return {}
+
+    def proposal(
+        self, client: MlflowClient, version: ModelVersion, rules: list[GateRule], metrics: Mapping[str, float]
+    ) -> Proposal:
+        """Whether ``version`` should take the champion alias: it beats the champion on the gate's first
+        metric in that rule's direction (a tie keeps the champion), or there is no champion yet."""
+        from mlflow.exceptions import MlflowException
+
+        number = int(version.version)
+        try:
+            champion = client.get_model_version_by_alias(self.model_name, self.champion_alias)
         except MlflowException:
             champion = None
-        if champion is not None and str(champion.version) == number:
-            return True
-        take = False
         if champion is None:
-            take, why = True, "there is no champion yet"
-        elif not rules:
-            why = f"no gate metric to compare with version {champion.version}"
-        else:
-            rule = rules[0]
-            current = self._champion_value(client, champion, rule)
-            mine = metrics[rule.metric]
-            if current is None:
-                take, why = True, f"champion version {champion.version} has no {rule.metric} to compare"
-            else:
-                take = rule.better(mine, current)
-                direction = "higher" if rule.higher_is_better else "lower"
-                why = (
-                    f"{rule.metric} {mine:g} vs champion version {champion.version}'s {current:g} "
-                    f"({direction} is better)"
-                )
-        if take:
+            return Proposal(True, "there is no champion yet", None, {})
+        theirs = self._champion_metrics(client, champion)
+        current = int(champion.version)
+        if current == number:
+            return Proposal(True, f"version {number} is the champion already", current, theirs)
+        if not rules:
+            return Proposal(False, f"no gate metric to compare with version {current}", current, theirs)
+        rule = rules[0]
+        value = self._champion_value(client, champion, rule)
+        if value is None:
+            return Proposal(True, f"champion version {current} has no {rule.metric} to compare", current, theirs)
+        mine = metrics[rule.metric]
+        direction = "higher" if rule.higher_is_better else "lower"
+        why = f"{rule.metric} {mine:g} vs champion version {current}'s {value:g} ({direction} is better)"
+        return Proposal(rule.better(mine, value), why, current, theirs)
+
+    def _take(self, client: MlflowClient, version: ModelVersion, proposal: Proposal) -> bool:
+        """Move the champion alias when the proposal says so (promote=True: no approval asked)."""
+        name, number = self.model_name, str(version.version)
+        if proposal.champion_version == int(number):
+            return True
+        if proposal.promote:
             client.set_registered_model_alias(name, self.champion_alias, number)
-            self.log.info("Version %s of %s is the new %s: %s", number, name, self.champion_alias, why)
+            self.log.info("Version %s of %s is the new %s: %s", number, name, self.champion_alias, proposal.why)
         else:
-            self.log.info("Version %s of %s stays %s only: %s", number, name, self.candidate_alias, why)
-        return take
+            self.log.info("Version %s of %s stays %s only: %s", number, name, self.candidate_alias, proposal.why)
+        return proposal.promote
 
     def _publish(self, context: Context, result: dict[str, Any]) -> dict[str, Any]:
         """The version's link (XCom ``model_version_url``, the 'Registered model version' link and the
@@ -382,6 +472,7 @@ class RegisterModelOperator(BaseOperator):
             context["ti"].xcom_push(key=MODEL_VERSION_URL_KEY, value=url)
         except Exception as exc:  # only the link: never worth failing the registration for
             self.log.warning("Could not build the link of %s version %s: %s", result["name"], result["version"], exc)
+        self._lineage_result = result
         annotate_outlets(
             context,
             self.outlets or (),
@@ -395,7 +486,16 @@ class RegisterModelOperator(BaseOperator):
         )
         return result
 
-    def _result(self, client: MlflowClient, version: ModelVersion, *, champion: bool) -> dict[str, Any]:
+    def _result(
+        self,
+        client: MlflowClient,
+        version: ModelVersion,
+        *,
+        champion: bool,
+        rules: list[GateRule],
+        metrics: Mapping[str, float],
+        proposal: Proposal,
+    ) -> dict[str, Any]:
         fresh = client.get_model_version(self.model_name, str(version.version))
         return {
             "name": self.model_name,
@@ -403,4 +503,94 @@ class RegisterModelOperator(BaseOperator):
             "aliases": sorted(fresh.aliases or []),
             "run_id": fresh.run_id,
             "champion": champion,
+            "metrics": {name: metrics[name] for name in _tagged(rules, metrics)},
+            "gate": [str(r) for r in rules],
+            "proposal": proposal.to_dict(),
+            "champion_alias": self.champion_alias,
+            "candidate_alias": self.candidate_alias,
         }
+
+
+def _tagged(rules: Sequence[GateRule], metrics: Mapping[str, float]) -> list[str]:
+    """The metrics worth keeping on a version: the gate's first, then the others by name (bounded)."""
+    first = [r.metric for r in rules if r.metric in metrics]
+    rest = sorted(k for k in metrics if k not in first)
+    return (first + rest)[:MAX_METRIC_TAGS]
+
+
+class PromoteModelOperator(BaseOperator):
+    """Move the champion alias to the version a :class:`RegisterModelOperator` (``promote=False``)
+    proposed, once it was approved (put it downstream of the approval: a rejection skips it).
+
+    It moves nothing when the version was not proposed, and refuses (skips, saying why) when the
+    champion changed since the proposal was made: the approver compared against that champion, not
+    the new one. Running it again is harmless. Returns the registration's result with the new aliases.
+
+    :param registration: The registration task's result (templated), e.g. ``register.output``.
+    :param tracking_uri: MLflow tracking and registry URI; default as for registration.
+    """
+
+    template_fields: Sequence[str] = ("registration",)
+    template_fields_renderers = {"registration": "json"}
+    ui_color = "#d5f5e3"
+
+    def __init__(self, *, registration: Mapping[str, Any] | str, tracking_uri: str | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.registration = registration
+        self.tracking_uri = tracking_uri
+
+    # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        # execute()'s result, from memory: the provider calls this in a forked process, where an XCom
+        # read through the task's supervisor channel hung until the listener killed it.
+        from airflow_torchrun.lineage_openlineage import registration_lineage
+        from airflow_torchrun.tracking import resolve_tracking_uri
+
+        return registration_lineage(getattr(self, "_lineage_result", None), resolve_tracking_uri(self.tracking_uri))
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        from mlflow.exceptions import MlflowException
+
+        from airflow_torchrun.tracking import client as tracking_client
+
+        try:
+            reg = _mapping(self.registration, "registration")
+        except InvalidSpecError as exc:
+            raise AirflowFailException(str(exc)) from exc
+        if not reg or "version" not in reg or "name" not in reg:
+            raise AirflowFailException(
+                f"task {self.task_id}: registration rendered to {self.registration!r}; give it the "
+                "RegisterModelOperator's result (e.g. register.output)"
+            )
+        name, number = str(reg["name"]), str(reg["version"])
+        alias = str(reg.get("champion_alias") or "champion")
+        found = reg.get("proposal")
+        proposal: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+        if not proposal.get("promote"):
+            raise AirflowSkipException(f"version {number} of {name} was not proposed as {alias}: {proposal.get('why')}")
+        client = tracking_client(self.tracking_uri)
+        try:
+            current = client.get_model_version_by_alias(name, alias)
+        except MlflowException:
+            current = None
+        now = None if current is None else int(current.version)
+        if now == int(number):
+            self.log.info("Version %s of %s is the %s already", number, name, alias)
+        elif now != proposal.get("champion_version"):
+            raise AirflowSkipException(
+                f"not moving {alias} to version {number} of {name}: the champion is version {now} now, not "
+                f"{proposal.get('champion_version')} as when the approval was asked; register again to compare"
+            )
+        else:
+            client.set_registered_model_alias(name, alias, number)
+            self.log.info(
+                "Version %s of %s is the new %s (was %s): %s", number, name, alias, now or "none", proposal.get("why")
+            )
+        fresh = client.get_model_version(name, number)
+        result: dict[str, Any] = {**reg, "aliases": sorted(fresh.aliases or []), "champion": True}
+        from airflow_torchrun.assets import annotate_outlets
+
+        extra = {"model_name": name, "version": int(number), "aliases": result["aliases"], "run_id": fresh.run_id}
+        annotate_outlets(context, self.outlets or (), extra, self.log)
+        self._lineage_result = result
+        return result

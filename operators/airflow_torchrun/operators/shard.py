@@ -6,16 +6,17 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.compat import AirflowFailException, BaseOperator
+from airflow_torchrun.errors import StorageError
+from airflow_torchrun.naming import shard_root
 from airflow_torchrun.sharding import (
     DatasetError,
     check_request,
     detect_format,
-    join_uri,
-    safe_segment,
     shard_dataset,
 )
 from airflow_torchrun.spec import is_templated
 from airflow_torchrun.state import state_dir
+from airflow_torchrun.storage.uri import split_conn_id
 
 if TYPE_CHECKING:
     from airflow_torchrun.compat import Context
@@ -25,7 +26,7 @@ def default_output_root() -> str:
     """Where shards go by default: ``shards/`` under the project's state directory.
 
     The state directory is ``[torchrun] state_dir``, else ``$AIRFLOW_TORCHRUN_STATE_DIR``,
-    else ``~/.airflow-torchrun`` (as for the local backend).
+    else ``<AIRFLOW_HOME>/torchrun`` (as for the local backend).
     """
     return str(state_dir() / "shards")
 
@@ -45,7 +46,8 @@ class ShardDatasetOperator(BaseOperator):
     anything is written (and are not retried).
 
     :param source_uri: The dataset (templated): a local path, ``file://`` or ``s3://`` URI of one
-        Parquet, CSV or NumPy ``.npz`` file.
+        Parquet, CSV or NumPy ``.npz`` file. ``s3://<conn_id>@bucket/key`` reads it through that
+        Airflow AWS connection (as ``ObjectStoragePath`` does); the manifest records the plain URI.
     :param output_uri: Where to write (templated). Default:
         ``<[torchrun] state_dir>/shards/<dag_id>/<run_id>/<task_id>``.
     :param num_shards: Number of training shards (templated). Default: ``num_nodes * nproc_per_node``,
@@ -55,7 +57,8 @@ class ShardDatasetOperator(BaseOperator):
     :param eval_fraction: Share of rows held out for evaluation, in ``[0, 1)``. Default 0.1.
     :param seed: Seed of the row permutation.
     :param format: ``"parquet"``, ``"csv"`` or ``"npz"`` (templated); by default from the extension.
-    :param storage_options: fsspec options for both URIs (templated), e.g. an S3 ``endpoint_url``.
+    :param storage_options: fsspec options for both URIs (templated), e.g. an S3 ``endpoint_url``;
+        they win over the connection's.
     """
 
     template_fields: Sequence[str] = (
@@ -115,9 +118,21 @@ class ShardDatasetOperator(BaseOperator):
                 problems.append(f"source_uri must be a non-empty URI string, got {self.source_uri!r}")
             elif not (allow_templates and is_templated(self.format)):
                 try:
-                    detect_format(self.source_uri, self.format)
-                except DatasetError as exc:
+                    detect_format(split_conn_id(self.source_uri)[1], self.format)
+                except (DatasetError, StorageError) as exc:
                     problems.append(str(exc))
+        uris = [u for u in (self.source_uri, self.output_uri) if isinstance(u, str)]
+        if not any(allow_templates and is_templated(u) for u in uris):
+            try:
+                conns = {c for c in (split_conn_id(u)[0] for u in uris) if c}
+            except StorageError as exc:
+                problems.append(str(exc))
+            else:
+                if len(conns) > 1:
+                    problems.append(
+                        f"source_uri and output_uri name different connections ({', '.join(sorted(conns))}); "
+                        "one task reads and writes through one: name it in one of them"
+                    )
         shards = self._resolve_num_shards(problems, allow_templates=allow_templates)
         problems.extend(check_request(1 if shards is None else shards, self.eval_fraction, self.seed))
         return problems
@@ -162,20 +177,23 @@ class ShardDatasetOperator(BaseOperator):
         if problems or shards is None:
             raise AirflowFailException(self._message(problems or ["could not work out the number of shards"]))
         ti = context["ti"]
-        output_uri = self.output_uri or self._default_output_uri(ti)
+        source_conn, source_uri = split_conn_id(self.source_uri)
+        output_conn, output_uri = split_conn_id(self.output_uri or self._default_output_uri(ti))
+        options = self._storage_options(source_conn or output_conn)
         try:
             result = shard_dataset(
-                self.source_uri,
+                source_uri,
                 output_uri,
                 shards,
                 eval_fraction=float(self.eval_fraction),
                 seed=self.seed,
                 format=self.format,
-                storage_options=self.storage_options if isinstance(self.storage_options, Mapping) else None,
+                storage_options=options,
             )
         except DatasetError as exc:
             # Bad data or a bad request: running the task again cannot change the answer.
             raise AirflowFailException(f"{self._where}: {exc}") from exc
+        self._manifest_uri = result.manifest_uri
         m = result.manifest
         self.log.info(
             "%s %d shards of %s rows and an evaluation split of %d rows: %s",
@@ -200,12 +218,37 @@ class ShardDatasetOperator(BaseOperator):
         )
         return result.manifest_uri
 
+    # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_start(self) -> Any:
+        from airflow_torchrun.lineage_openlineage import shard_lineage
+
+        return shard_lineage(self.source_uri, None)
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        # What execute() wrote, from memory: the provider calls this in a forked process, where an
+        # XCom read through the task's supervisor channel hung until the listener killed it.
+        from airflow_torchrun.lineage_openlineage import shard_lineage
+
+        return shard_lineage(self.source_uri, getattr(self, "_manifest_uri", None))
+
+    def get_openlineage_facets_on_failure(self, task_instance: Any) -> Any:
+        return self.get_openlineage_facets_on_start()
+
+    def _storage_options(self, conn_id: str | None) -> dict[str, Any] | None:
+        """The connection's S3 options (keys, endpoint, region) under the task's own ``storage_options``."""
+        given = dict(self.storage_options) if isinstance(self.storage_options, Mapping) else {}
+        if conn_id is None:
+            return given or None
+        from airflow_torchrun.storage.aws import storage_options_from_aws_conn_id
+
+        try:
+            options = storage_options_from_aws_conn_id(conn_id)
+        except Exception as exc:  # a missing or malformed connection: fixing it is the DAG's job
+            raise AirflowFailException(f"{self._where}: cannot use the AWS connection {conn_id!r}: {exc}") from exc
+        return {**options, **given}
+
     def _default_output_uri(self, ti: Any) -> str:
-        parts = [ti.dag_id, ti.run_id, ti.task_id]
         map_index = getattr(ti, "map_index", None)
-        if map_index is not None and map_index >= 0:
-            parts.append(str(map_index))
-        uri = default_output_root()
-        for part in parts:
-            uri = join_uri(uri, safe_segment(str(part)))
-        return uri
+        return shard_root(
+            default_output_root(), ti.dag_id, ti.run_id, ti.task_id, map_index if map_index is not None else -1
+        )

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow_torchrun.checkpoint import RESUME_AUTO
-from airflow_torchrun.compat import conf
-from airflow_torchrun.links import CHECKPOINT_URL_KEY, MLFLOW_RUN_URL_KEY, CheckpointLink, MlflowRunLink
+from airflow_torchrun.audit import parse_mode
+from airflow_torchrun.backends.base import BackendOptions
+from airflow_torchrun.links import CheckpointLink, MlflowRunLink
+from airflow_torchrun.operators.contracts import TaskIO
 from airflow_torchrun.operators.group import GroupOperator
-from airflow_torchrun.settings import CheckpointSettings, KubernetesSettings
-from airflow_torchrun.state import state_dir
+from airflow_torchrun.operators.training_contract import (
+    TrainingContract,
+    TrainingSettings,
+    checkpoint_base,
+    default_checkpoint_uri,
+    lineage_of,
+)
+from airflow_torchrun.settings import CheckpointSettings, flag, seconds_or_none
+from airflow_torchrun.storage.lineage import RESUME_AUTO
 
 if TYPE_CHECKING:
-    from airflow_torchrun.backends.handles import GroupHandle
-    from airflow_torchrun.checkpoint import CheckpointStore, Lineage
     from airflow_torchrun.compat import Context
-    from airflow_torchrun.integrations.detect import FrameworkCheckpoint
-    from airflow_torchrun.watch import Verdict
-
-XCOM_MLFLOW_RUN_ID = "mlflow_run_id"
-XCOM_CHECKPOINT_URI = "checkpoint_uri"
-
-
-def checkpoint_base() -> str:
-    """``[torchrun] checkpoint_base``, else ``file://<state_dir>/checkpoints``."""
-    return conf.get("torchrun", "checkpoint_base", fallback=None) or f"file://{state_dir() / 'checkpoints'}"
 
 
 class DistributedTrainingOperator(GroupOperator):
@@ -97,7 +92,8 @@ class DistributedTrainingOperator(GroupOperator):
     :param keep_last: Committed checkpoints to keep (``TRAIN_CHECKPOINT_KEEP_LAST``); the one
         resumed from is never deleted.
     :param aws_conn_id: Airflow connection holding S3 credentials and, in its extra,
-        ``endpoint_url``/``region_name``. Default: the standard AWS chain of the worker.
+        ``endpoint_url``/``region_name``. Default: the connection ``checkpoint_uri`` names
+        (``s3://<conn_id>@bucket/prefix``), else the standard AWS chain of the worker.
     :param storage_options: Extra fsspec/s3fs options (win over the connection's).
     :param shard_manifest: URI of a ``ShardDatasetOperator`` manifest (``TRAIN_SHARD_MANIFEST``),
         e.g. ``shard.output``. Templated.
@@ -130,6 +126,17 @@ class DistributedTrainingOperator(GroupOperator):
         death, the "stopped to save" code 75 and port races stay retryable.
     :param fail_on_exit_codes: Exit codes of the failing rank that fail the task at once, without
         restart or retry (for example a script's own "bad config" code).
+    :param resume_audit: What to do when a resumed launch's recomputed steps (from the step it
+        resumed from to the furthest step reported before) did not compute the losses reported
+        before (:mod:`airflow_torchrun.audit`: ``exact`` bit-equal, ``close`` within a relative 1e-3,
+        ``diverged``): ``"warn"`` (default) logs the audit, ``"fail"`` fails the task without retry
+        when it diverged, ``"off"`` skips the audit. The audit needs the ranks' progress records
+        (``ProgressLogger`` or ``RunLogger.log_step`` with the loss); XCom ``resume_audit``, the
+        MLflow tag ``torchrun.resume_audit``.
+    :param mtbf: Mean time between failures of this task's group, in seconds (or a ``timedelta``),
+        for ``worker.should_checkpoint`` (``TRAIN_CHECKPOINT_MTBF``), which checkpoints every
+        sqrt(2 x save cost x MTBF) seconds (Young/Daly). Default ``None``: the lineage's observed
+        failures (failed launches over their time, ``TRAIN_FAILURES_OBSERVED``) decide.
     :param deferrable: Free the worker slot while the group runs: after launching, the task defers
         to a trigger that watches the group from the triggerer, and finishes (success, or failure
         with the same message as in sync mode) when the group is done. Defaults to
@@ -165,20 +172,31 @@ class DistributedTrainingOperator(GroupOperator):
         mlflow_experiment: str | None = None,
         all_ranks_logs: bool = False,
         check_process_group: bool = True,
+        resume_audit: str = "warn",
+        mtbf: float | timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.checkpoint_uri = checkpoint_uri
         self.resume = resume
-        self.resume_from_outside = bool(resume_from_outside)
-        self.trust_foreign_sharded = bool(trust_foreign_sharded)
-        self.keep_last = keep_last
         self.shard_manifest = shard_manifest
-        self.track = track
-        self.check_process_group = bool(check_process_group)
         self.mlflow_experiment = mlflow_experiment
-        self.all_ranks_logs = all_ranks_logs
-        self._mlflow_run_id: str | None = None
+        problems = self._problems
+        self.training = TrainingSettings(
+            keep_last=keep_last,
+            resume_from_outside=flag("resume_from_outside", resume_from_outside, problems),
+            trust_foreign_sharded=flag("trust_foreign_sharded", trust_foreign_sharded, problems),
+            track=flag("track", track, problems, allow_none=True),
+            check_process_group=flag("check_process_group", check_process_group, problems),
+            mlflow_tracking_uri=self.mlflow_tracking_uri,
+            resume_audit=parse_mode(resume_audit, problems),
+            mtbf=seconds_or_none("mtbf", mtbf, problems),
+        )
+        self.backend_options = BackendOptions(
+            namespace=self.backend_options.namespace,
+            kubernetes_conn_id=self.backend_options.kubernetes_conn_id,
+            all_ranks_logs=flag("all_ranks_logs", all_ranks_logs, problems),
+        )
         # Parse time: everything that is not a template is checked now, every problem at once.
         self.validate(allow_templates=True)
 
@@ -186,324 +204,49 @@ class DistributedTrainingOperator(GroupOperator):
         return CheckpointSettings(
             checkpoint_uri=self.checkpoint_uri,
             resume=self.resume,
-            keep_last=self.keep_last,
+            keep_last=self.training.keep_last,
             aws_conn_id=self.aws_conn_id,
             storage_options=self.storage_options,
             default_base=checkpoint_base() if self.checkpoint_uri is None else None,
         )
 
-    def kubernetes_settings(self) -> KubernetesSettings:
-        return KubernetesSettings(
-            namespace=self.namespace,
-            kubernetes_conn_id=self.kubernetes_conn_id,
-            all_ranks_logs=self.all_ranks_logs,
-            active_deadline_seconds=self.execution_timeout_seconds(),
-        )
-
     def tracking_uri(self) -> str | None:
-        if not self._tracking():  # track=None: tracked when a tracking URI is configured
-            return None
-        from airflow_torchrun.tracking import resolve_tracking_uri
+        return self.training.tracking_uri()
 
-        return resolve_tracking_uri(self.mlflow_tracking_uri)
-
-    # -- the rank contract --------------------------------------------------------------------
     def default_checkpoint_uri(self, context: Context) -> str:
-        """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run.
+        """``<[torchrun] checkpoint_base>/<dag_id>/<run_id>/<task_id>``: shared by every try of one run."""
+        io = TaskIO(context=context, where=self._where, log=self.log, backend=None, preflight_budget=0.0)
+        return default_checkpoint_uri(lineage_of(io, str(self.dag_id), str(self.task_id)))
 
-        Derived by :func:`airflow_torchrun.naming.lineage_path`: injective in dag, run, task and
-        map index.
-        """
-        from airflow_torchrun.naming import lineage_path
+    def storage_uris(self) -> Sequence[object]:
+        return (self.checkpoint_uri,)
 
-        base = checkpoint_base()
-        lineage = self.lineage(context)
-        return f"{base.rstrip('/')}/{lineage_path(lineage.dag_id, lineage.run_id, lineage.task_id, lineage.map_index)}"
-
-    def lineage(self, context: Context) -> Lineage:
-        """The task instance lineage that owns this task's checkpoints (every try of it)."""
-        from airflow_torchrun.checkpoint import Lineage
-
-        ti = context.get("ti")
-        run_id = str(ti.run_id if ti is not None else context["run_id"])
-        raw_index = ti.map_index if ti is not None else context.get("map_index", -1)
-        map_index = int(raw_index) if isinstance(raw_index, int) else -1
-        return Lineage(dag_id=str(self.dag_id), run_id=run_id, task_id=str(self.task_id), map_index=map_index)
-
-    def contract_env_preview(self, context: Context) -> dict[str, str]:
-        from airflow_torchrun.contract import checkpoint_dir
-
-        uri = str(self.checkpoint_uri or self.default_checkpoint_uri(context))
-        preview = {
-            "TRAIN_CHECKPOINT_URI": uri,
-            "TRAIN_CHECKPOINT_DIR": checkpoint_dir(uri),
-            "TRAIN_RESUME_FROM": "<latest committed checkpoint, or empty on a fresh start>",
-            "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
-        }
-        if self.shard_manifest:
-            preview["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
-        if self._tracking():
-            from airflow_torchrun.tracking import resolve_tracking_uri
-
-            preview["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(self.mlflow_tracking_uri)
-            preview["MLFLOW_RUN_ID"] = "<created on the first try, reused by retries>"
-        return preview
-
-    def contract_env(self, context: Context) -> dict[str, str]:
-        """What the operator adds to every rank's environment (beyond torchrun's own variables).
-
-        Checkpoints: ``TRAIN_CHECKPOINT_URI``, ``TRAIN_RESUME_FROM`` (checked before any rank
-        starts: a bad URI, missing bucket or wrong credentials fail here, without retry; an
-        unreachable store is waited for, then fails retryably); MLflow: ``MLFLOW_TRACKING_URI``,
-        ``MLFLOW_RUN_ID``; data: ``TRAIN_SHARD_MANIFEST``. Secrets travel only in the ranks'
-        environment, never in logs, XCom or rendered fields.
-        """
-        from airflow_torchrun.checkpoint import CheckpointStore, claim_lineage, resolve_resume
-        from airflow_torchrun.contract import checkpoint_dir
-
-        ti = context["ti"]
-        uri = self.checkpoint_uri or self.default_checkpoint_uri(context)
-        if self.backend == "kubernetes" and uri.startswith("file://"):
-            self.log.warning(
-                "Checkpoints go to %s, a path inside each pod: a retry cannot resume from it. Set "
-                "checkpoint_uri='s3://...' or [torchrun] checkpoint_base to storage the pods share",
-                uri,
-            )
-        self.checkpoint_uri = uri
-        ti.xcom_push(key=XCOM_CHECKPOINT_URI, value=uri)  # the training view lists its checkpoints while it runs
-        options = self.storage_options_resolved()
-        store = CheckpointStore(uri, options)
-        self.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
-        lineage = self.lineage(context)
-        self.preflight("checking who owns the checkpoints", lambda: claim_lineage(store, lineage))
-        ref = self.preflight(
-            "finding the checkpoint to resume from",
-            lambda: resolve_resume(uri, self.resume, options, allow_outside=self.resume_from_outside),
+    def rank_contract(self, io: TaskIO, state: dict[str, Any] | None = None) -> TrainingContract:
+        return TrainingContract(
+            io,
+            self.training,
+            dag_id=str(self.dag_id),
+            task_id=str(self.task_id),
+            checkpoint_uri=self.checkpoint_uri,
+            resume=self.resume,
+            shard_manifest=self.shard_manifest,
+            mlflow_experiment=self.mlflow_experiment,
+            outlets=self.outlets,
+            state=state,
         )
-        resumed: dict[str, Any] | None = {"uri": ref.uri, "step": ref.step} if ref else None
-        if ref is not None:
-            self.log.info("Checkpoints: %s; resuming from %s (step %d)", uri, ref.uri, ref.step)
-        else:
-            own = self._framework_checkpoint(store)
-            if own is None:
-                self.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
-            else:
-                resumed = own.to_xcom()
-                self.log.info(
-                    "Checkpoints: %s; no committed checkpoint of the store, but the script's own %s checkpoint "
-                    "%s (step %s) is there: resuming from it, as the script loads it itself (resume=%s)",
-                    uri,
-                    own.framework,
-                    own.uri,
-                    own.step if own.step is not None else "unknown",
-                    self.resume,
-                )
-        ti.xcom_push(key="resumed_from", value=resumed)
-        env = self.rank_storage_env(options)
-        env.update(
-            {
-                "TRAIN_CHECKPOINT_URI": store.uri,
-                "TRAIN_CHECKPOINT_DIR": checkpoint_dir(store.uri),
-                "TRAIN_RESUME_FROM": ref.uri if ref else "",
-                "TRAIN_CHECKPOINT_KEEP_LAST": str(self.keep_last),
-                "TRAIN_CHECKPOINT_LINEAGE": json.dumps(
-                    {**lineage.to_dict(), "try_number": ti.try_number}, sort_keys=True
-                ),
-            }
-        )
-        if self.trust_foreign_sharded:
-            env["TRAIN_CHECKPOINT_TRUST_SHARDED"] = "1"
-        if self.shard_manifest:
-            env["TRAIN_SHARD_MANIFEST"] = str(self.shard_manifest)
-        if self._tracking():
-            env.update(self._tracking_env(context))
-        else:  # the extra link finds "no run" instead of logging an error for a missing XCom
-            ti.xcom_push(key=MLFLOW_RUN_URL_KEY, value=None)
-        return env
 
-    def _framework_checkpoint(self, store: CheckpointStore) -> FrameworkCheckpoint | None:
-        """A framework's own checkpoint under the root (``resume="auto"`` only); never fails the task."""
-        if self.resume != RESUME_AUTO:
-            return None
-        from airflow_torchrun.integrations.detect import find_framework_checkpoint
+    # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_start(self) -> Any:
+        from airflow_torchrun.lineage_openlineage import training_lineage_of
 
-        try:
-            return find_framework_checkpoint(store)
-        except Exception as exc:  # only what the log says: never worth failing a launch for
-            self.log.warning("Could not look for a framework's own checkpoints under %s: %s", store.uri, exc)
-            return None
+        return training_lineage_of(self, None)
 
-    def _tracking(self) -> bool:
-        """Whether this task has an MLflow run: ``track``, or (None) whether a tracking URI is configured."""
-        if self.track is not None:
-            return bool(self.track)
-        from airflow_torchrun.tracking import tracking_configured
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        from airflow_torchrun.lineage_openlineage import training_lineage_of
 
-        return tracking_configured(self.mlflow_tracking_uri)
+        return training_lineage_of(self, task_instance)
 
-    def _tracking_env(self, context: Context) -> dict[str, str]:
-        from airflow_torchrun.tracking import check_tracking_uri, ensure_run, rank_env, resolve_tracking_uri, run_url
+    def get_openlineage_facets_on_failure(self, task_instance: Any) -> Any:
+        from airflow_torchrun.lineage_openlineage import training_lineage_of
 
-        ti = context["ti"]
-        tracking_uri = resolve_tracking_uri(self.mlflow_tracking_uri)
-        self.preflight("reaching the MLflow tracking server", lambda: check_tracking_uri(tracking_uri))
-        run_id = self.preflight(
-            "creating the MLflow run", lambda: ensure_run(context, self.mlflow_experiment, tracking_uri)
-        )
-        self._mlflow_run_id = run_id
-        ti.xcom_push(key=XCOM_MLFLOW_RUN_ID, value=run_id)
-        try:
-            ti.xcom_push(key=MLFLOW_RUN_URL_KEY, value=run_url(run_id, tracking_uri))
-        except Exception as exc:  # only the link: never worth failing the task for
-            self.log.warning("MLflow run %s: could not build its UI link: %s", run_id, exc)
-        return rank_env(run_id, tracking_uri)
-
-    # -- the end ------------------------------------------------------------------------------
-    def _run_id(self, context: Context) -> str | None:
-        """This try's MLflow run: set by contract_env, or (re-entry after deferral, a new process) its XCom."""
-        if self._mlflow_run_id is None and self._tracking():
-            ti = context["ti"]
-            self._mlflow_run_id = ti.xcom_pull(task_ids=self.task_id, key=XCOM_MLFLOW_RUN_ID, map_indexes=ti.map_index)
-        return self._mlflow_run_id
-
-    def on_group_end(self, context: Context, succeeded: bool) -> None:
-        """Close the MLflow run: best effort, a tracking outage never fails a finished group."""
-        from airflow_torchrun.tracking import DEFAULT_FINISH_BUDGET, finish_run
-
-        run_id = self._run_id(context)
-        if run_id:
-            self._track_warnings(run_id)
-            finish_run(
-                run_id,
-                succeeded=succeeded,
-                tracking_uri=self.mlflow_tracking_uri,
-                try_number=context["ti"].try_number,
-                budget=min(DEFAULT_FINISH_BUDGET, float(self.preflight_budget)),
-            )
-
-    def _track_warnings(self, run_id: str) -> None:
-        """Starvation and straggler warnings of the whole try (replayed from the ranks' progress
-        records) as tags and metrics of the MLflow run. Best effort."""
-        from airflow_torchrun.progress import STARVATION, STRAGGLER, ProgressThresholds, replay
-        from airflow_torchrun.tracking import client
-        from airflow_torchrun.worker.progress import parse_records
-
-        engine = self._engine
-        if engine is None or engine.handle is None:
-            return
-        handle = engine.handle
-        try:
-            from airflow_torchrun.backends.base import backend_from_handle
-
-            records = parse_records(backend_from_handle(handle).read_progress_lines(handle))
-            nproc = max(1, handle.world_size // max(1, handle.num_nodes))
-            board, seen = replay(records, nproc_per_node=nproc, thresholds=ProgressThresholds.from_conf())
-            if not seen and not board.seen:
-                return
-            tags: dict[str, str] = {}
-            metrics: dict[str, float] = {}
-            starved = [a for a in seen if a.kind == STARVATION]
-            stragglers = [a for a in seen if a.kind == STRAGGLER]
-            if starved:
-                tags["torchrun.data_starvation"] = starved[-1].message[:5000]
-                metrics["torchrun_data_wait_median"] = max(a.value or 0.0 for a in starved)
-            if stragglers:
-                tags["torchrun.straggler_ranks"] = ",".join(sorted({str(a.rank) for a in stragglers}))
-                tags["torchrun.straggler"] = stragglers[-1].message[:5000]
-                metrics["torchrun_straggler_ratio"] = max(a.value or 0.0 for a in stragglers)
-            summary = board.summary()
-            if summary is not None and summary.data_wait is not None:
-                metrics["torchrun_final_data_wait"] = summary.data_wait
-            mlflow = client(self.mlflow_tracking_uri)
-            for key, value in tags.items():
-                mlflow.set_tag(run_id, key, value)
-            for key, number in metrics.items():
-                mlflow.log_metric(run_id, key, number)
-        except Exception as exc:  # never fails a finished group
-            self.log.warning("Could not record the training's warnings in MLflow run %s: %s", run_id, exc)
-
-    def _publish_checkpoint(self, context: Context, uri: str, step: int | None) -> None:
-        """The 'Checkpoint' link, and the asset event's metadata: checkpoint URI, step, final metrics."""
-        from airflow_torchrun.assets import annotate_outlets
-        from airflow_torchrun.links import checkpoint_url
-
-        try:
-            context["ti"].xcom_push(key=CHECKPOINT_URL_KEY, value=checkpoint_url(uri))
-        except Exception as exc:  # only the link
-            self.log.warning("Could not build the checkpoint's link for %s: %s", uri, exc)
-        if self.outlets:
-            extra = {"checkpoint_uri": uri, "step": step, "metrics": self._final_metrics(context)}
-            annotate_outlets(context, self.outlets, extra, self.log)
-
-    def _final_metrics(self, context: Context) -> dict[str, float]:
-        """The MLflow run's latest metrics (best effort: none when tracking is off or away)."""
-        run_id = self._run_id(context)
-        if not run_id:
-            return {}
-        try:
-            from airflow_torchrun.tracking import client
-
-            return {str(k): float(v) for k, v in client(self.mlflow_tracking_uri).get_run(run_id).data.metrics.items()}
-        except Exception as exc:
-            self.log.warning("Could not read the final metrics of MLflow run %s: %s", run_id, exc)
-            return {}
-
-    def finish(self, context: Context, handle: GroupHandle, verdict: Verdict) -> dict[str, Any]:
-        """The group's summary (XCom ``return_value``)."""
-        from airflow_torchrun.checkpoint import CheckpointStore, final_checkpoint
-
-        wall = time.time() - handle.launched_at
-        assert self._engine is not None  # finish runs only after the engine did
-        self._check_process_group(handle)
-        self.log.info("Group %s succeeded: every node exited 0, %.1fs after launch", handle.group_id, wall)
-        if self.checkpoint_uri is None:  # re-entry after deferral: a new process, same default
-            self.checkpoint_uri = self.default_checkpoint_uri(context)
-        store = CheckpointStore(self.checkpoint_uri, self.storage_options_resolved())
-        ref = self.preflight("reading the final checkpoint", lambda: final_checkpoint(store, self.lineage(context)))
-        if ref is not None:
-            self.log.info("Final checkpoint: %s (step %d)", ref.uri, ref.step)
-        self._publish_checkpoint(context, ref.uri if ref else self.checkpoint_uri, ref.step if ref else None)
-        spec, backend = self._engine.spec, self._engine.backend
-        return {
-            "checkpoint_uri": self.checkpoint_uri,
-            "final_checkpoint": ref.uri if ref else None,
-            "mlflow_run_id": self._run_id(context),
-            "group_id": handle.group_id,
-            "backend": handle.backend,
-            "world_size": spec.world_size,
-            "num_nodes": spec.num_nodes,
-            "nproc_per_node": spec.nproc_per_node,
-            "node_exit_codes": [n.exit_code for n in verdict.nodes],
-            "wall_time_s": round(wall, 3),
-            "log_dir": handle.log_dir,
-            "logs": backend.log_locations(handle),
-        }
-
-    def _check_process_group(self, handle: GroupHandle) -> None:
-        """Fail (or warn) when the ranks did not form one process group of the world size."""
-        from airflow_torchrun import diagnosis
-        from airflow_torchrun.compat import AirflowFailException
-
-        assert self._engine is not None
-        try:
-            records = self._engine.backend.process_groups(handle)
-        except Exception as exc:  # what the launchers noted is a check, not the training
-            self.log.warning("Group %s: could not read the ranks' process group records: %s", handle.group_id, exc)
-            return
-        problem = diagnosis.process_group_problem(records, self._engine.spec.world_size)
-        if problem is None:
-            if records:
-                self.log.info(
-                    "Group %s: every rank joined one process group of world size %d",
-                    handle.group_id,
-                    self._engine.spec.world_size,
-                )
-            return
-        message = f"Group {handle.group_id}: {problem}"
-        if not self.check_process_group:
-            self.log.warning("%s (check_process_group=False: not failing the task)", message)
-            return
-        self.log.error("%s", message)
-        raise AirflowFailException(
-            f"{message}. Set check_process_group=False to accept it.\n(A retry cannot fix this; not retrying.)"
-        )
+        return training_lineage_of(self, task_instance)

@@ -19,6 +19,9 @@ _LAZY = {
     "save_if_stopping": "airflow_torchrun.worker.checkpoint",
     "stop_requested": "airflow_torchrun.worker.checkpoint",
     "ProgressLogger": "airflow_torchrun.worker.progress",
+    "prime_ddp_buckets": "airflow_torchrun.worker.ddp",
+    "should_checkpoint": "airflow_torchrun.worker.interval",
+    "ShardLoader": "airflow_torchrun.worker.shards",
 }
 
 if TYPE_CHECKING:
@@ -31,15 +34,21 @@ if TYPE_CHECKING:
         stop_requested,
         wait_for_checkpoint,
     )
+    from airflow_torchrun.worker.ddp import prime_ddp_buckets
+    from airflow_torchrun.worker.interval import should_checkpoint
     from airflow_torchrun.worker.progress import ProgressLogger
+    from airflow_torchrun.worker.shards import ShardLoader
 
 __all__ = [
     "ProgressLogger",
+    "ShardLoader",
     "load_checkpoint",
+    "prime_ddp_buckets",
     "resume_from",
     "resume_step",
     "save_checkpoint",
     "save_if_stopping",
+    "should_checkpoint",
     "stop_requested",
     "wait_for_checkpoint",
 ]

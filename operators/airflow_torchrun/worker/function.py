@@ -34,68 +34,11 @@ import json
 import linecache
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
-SOURCE_ENV = "AIRFLOW_TORCHRUN_FUNCTION_SOURCE"
-CALL_ENV = "AIRFLOW_TORCHRUN_FUNCTION_CALL"
-FUNCTION_ENTRY = "airflow_torchrun.worker.function"
-# Linux refuses to exec with one "NAME=value" string longer than MAX_ARG_STRLEN (32 pages,
-# 131072 bytes), in the Airflow worker and in every pod alike; this leaves room for the name.
-ENV_VALUE_LIMIT = 128 * 1024 - 1024
-AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class FunctionCall:
-    """What one rank runs: the function and its arguments, as shipped."""
-
-    name: str
-    source: str
-    filename: str
-    first_line: int
-    args: list[Any]
-    kwargs: dict[str, Any]
-    result_uri: str | None
-    process_group_backend: str | None = AUTO
-
-    def call_json(self) -> str:
-        return json.dumps(
-            {
-                "name": self.name,
-                "filename": self.filename,
-                "first_line": self.first_line,
-                "args": self.args,
-                "kwargs": self.kwargs,
-                "result_uri": self.result_uri,
-                "process_group_backend": self.process_group_backend,
-            },
-            sort_keys=True,
-        )
-
-    def to_env(self) -> dict[str, str]:
-        return {SOURCE_ENV: self.source, CALL_ENV: self.call_json()}
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> FunctionCall:
-        missing = [v for v in (SOURCE_ENV, CALL_ENV) if not env.get(v)]
-        if missing:
-            raise RuntimeError(
-                f"{' and '.join(missing)} not set: python -m {FUNCTION_ENTRY} runs inside the ranks of a "
-                "@task.torchrun task, which sets them"
-            )
-        call = json.loads(env[CALL_ENV])
-        return cls(
-            name=call["name"],
-            source=env[SOURCE_ENV],
-            filename=call["filename"],
-            first_line=int(call["first_line"]),
-            args=list(call["args"]),
-            kwargs=dict(call["kwargs"]),
-            result_uri=call.get("result_uri"),
-            process_group_backend=call.get("process_group_backend", AUTO),
-        )
+from airflow_torchrun.contract.function import AUTO, FunctionCall
+from airflow_torchrun.worker.progress import mark_rendezvous
 
 
 def load_function(call: FunctionCall) -> Callable[..., Any]:
@@ -114,7 +57,7 @@ def load_function(call: FunctionCall) -> Callable[..., Any]:
     fn = namespace.get(call.name)
     if not callable(fn):
         raise RuntimeError(f"the shipped source does not define a function {call.name}()")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 # -- the process group ------------------------------------------------------------------------
@@ -147,6 +90,7 @@ def _process_group(backend: str | None) -> Iterator[None]:
         if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=ours)
+        mark_rendezvous(dist.get_rank())
     real_init = c10d.init_process_group
 
     def init_process_group(backend: object = None, *args: Any, **kwargs: Any) -> None:
@@ -202,7 +146,8 @@ def _short(value: Any) -> str:
 
 def write_result(uri: str, text: str) -> None:
     """Write rank 0's result where the operator reads it (the task's checkpoint storage)."""
-    from airflow_torchrun.checkpoint import STORAGE_OPTIONS_ENV, CheckpointStore
+    from airflow_torchrun.storage.aws import STORAGE_OPTIONS_ENV
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
 
     raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
     options = json.loads(raw) if raw else {}

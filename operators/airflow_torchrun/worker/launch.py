@@ -17,6 +17,8 @@ Two more things for the operator, on both backends:
   file; a rank that exits without joining one writes ``{"joined": false}`` there. The local
   backend reads them to tell a distributed run from N independent copies (Hugging Face Trainer
   without ``--use_cpu``, accelerate without ``ACCELERATE_USE_CPU=1``).
+* When the process group is ready: a progress record ``event: "rendezvous"`` on the rank's stdout
+  (the goodput ledger's end of rendezvous, also for a script that uses no helper).
 """
 
 from __future__ import annotations
@@ -36,15 +38,19 @@ from types import ModuleType
 from typing import Any, TextIO
 
 from airflow_torchrun import contract
+from airflow_torchrun.contract.launch import PROCESS_GROUP_FILE
+from airflow_torchrun.worker.progress import mark_rendezvous
 
 # Contract variables a script argument may name as ``${NAME}``; replaced on every rank.
 EXPANDED = (contract.CHECKPOINT_DIR, contract.CHECKPOINT_URI, contract.RESUME_FROM)
 _PLACEHOLDER = re.compile(r"\$\{(" + "|".join(EXPANDED) + r")\}")
-PROCESS_GROUP_FILE = "process_group.json"
 USAGE_EXIT_CODE = 2
 # The stderr kept to find a parser's ``error:`` line (it is the last thing printed before exit).
 _STDERR_TAIL = 8192
 _C10D = "torch.distributed.distributed_c10d"
+# When this rank's interpreter got to the launcher (the script's imports come next): the try's
+# timeline takes the last rank's as its ``ranks_started`` (airflow_torchrun.timeline).
+_STARTED_AT = time.time()
 
 
 def expand_args(args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
@@ -87,7 +93,7 @@ def _write_process_group(record: dict[str, Any]) -> None:
         return
     try:
         with open(path, "w") as fp:
-            json.dump({**record, "rank_env": os.environ.get("RANK", "")}, fp)
+            json.dump({**record, "rank_env": os.environ.get("RANK", ""), "started_at": _STARTED_AT}, fp)
     except OSError:
         pass
 
@@ -117,7 +123,7 @@ class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module: ModuleType) -> None:
-                loader.exec_module(module)  # type: ignore[attr-defined]
+                loader.exec_module(module)
                 watch.patch(module)
 
         spec.loader = _Loader()
@@ -134,11 +140,13 @@ class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
                 watch.joined = True
                 watch.record = {
                     "joined": True,
+                    "joined_at": time.time(),  # the process group stood (the timeline's ``rendezvous``)
                     "rank": c10d.get_rank(),
                     "world_size": c10d.get_world_size(),
                     "backend": str(c10d.get_backend()),
                 }
                 _write_process_group(watch.record)
+                mark_rendezvous(int(watch.record["rank"]))
             except Exception:  # never fail a rank for the record
                 pass
             return result
@@ -253,7 +261,7 @@ def main() -> None:
     if _C10D not in sys.modules:
         sys.meta_path.insert(0, watch)
     stderr = _StderrTail(sys.stderr)
-    sys.stderr = stderr  # type: ignore[assignment]
+    sys.stderr = stderr
     try:
         with recorded(script, stderr):
             runpy.run_path(script, run_name="__main__")

@@ -35,7 +35,7 @@ def report_metrics(metrics: Mapping[str, float]) -> str | None:
         clean[str(key)] = number
     import fsspec
 
-    from airflow_torchrun.checkpoint import s3_options_from_env
+    from airflow_torchrun.storage.aws import s3_options_from_env
 
     options = s3_options_from_env() if uri.startswith("s3://") else {}
     with fsspec.open(uri, "w", **options) as fp:

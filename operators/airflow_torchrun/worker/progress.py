@@ -18,7 +18,11 @@ logs every ``every`` steps on rank 0 only, e.g.
 
 with the window's mean ``step_time`` (s; ``own_time`` without the time spent in
 ``StepTimer.peers()`` waiting for the other ranks), ``data_wait`` (fraction of the step spent waiting for
-data, when a ``StepTimer`` timing is given), ``loss`` and the wall ``time``. The rank's log is the
+data, when a ``StepTimer`` timing is given), ``loss`` and the wall ``time``; for the goodput ledger
+and the resume audit also the window's start (``since``), its seconds of data wait (``data_s``) and
+of checkpoint saves (``save_s``), and every step's loss bit-exactly (``losses``). ``ProgressLogger``
+marks the training loop's start (an ``event: "start"`` record), and a window not yet printed is
+printed when the process exits (so the furthest step a failed rank reached is known). The rank's log is the
 one channel: the local backend's node logs and Kubernetes pod logs carry it alike, no server
 needed. :func:`parse_records` reads them back from any text, robust to other output interleaved
 on the same line and to lines cut short.
@@ -26,105 +30,23 @@ on the same line and to lines cut short.
 
 from __future__ import annotations
 
-import json
+import atexit
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 
-MARKER = "@torchrun-progress "
-INTERVAL_ENV = "AIRFLOW_TORCHRUN_PROGRESS_INTERVAL"
-DEFAULT_INTERVAL = 2.0
-_DECODER = json.JSONDecoder()
-
-
-@dataclass(frozen=True)
-class ProgressRecord:
-    """One rank's progress over the last window of steps."""
-
-    rank: int
-    step: int
-    time: float  # epoch seconds, when it was written
-    total_steps: int | None = None
-    samples_per_s: float | None = None  # the group's samples per second as this rank sees it
-    step_time: float | None = None  # mean seconds per step over the window (wall time)
-    own_time: float | None = None  # the same without waiting for peers (``StepTimer.peers()``)
-    data_wait: float | None = None  # fraction of the window's step time spent waiting for data
-    loss: float | None = None
-
-    def to_line(self) -> str:
-        data = {k: v for k, v in asdict(self).items() if v is not None}
-        return MARKER + json.dumps(data, separators=(",", ":"), allow_nan=False)
-
-    @classmethod
-    def from_dict(cls, data: object) -> ProgressRecord | None:
-        """A record from decoded JSON, or ``None`` when it is not one (never raises)."""
-        if not isinstance(data, dict):
-            return None
-        try:
-            rank, step, stamp = data["rank"], data["step"], data["time"]
-            if not (_is_int(rank) and _is_int(step) and _is_number(stamp)) or rank < 0 or step < 0:
-                return None
-            numbers = {name: data.get(name) for name in ("samples_per_s", "step_time", "own_time", "data_wait", "loss")}
-            fields = {
-                name: float(v) if isinstance(v, int | float) and _is_number(v) else None for name, v in numbers.items()
-            }
-            total = data.get("total_steps")
-            return cls(
-                rank=int(rank),
-                step=int(step),
-                time=float(stamp),
-                total_steps=total if isinstance(total, int) and _is_int(total) and total > 0 else None,
-                **fields,
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def parse_line(line: str) -> list[ProgressRecord]:
-    """Every record in one line of text. Other output before, between or after records (two
-    ranks' writes interleaved on one line) is ignored, as is a record cut short."""
-    out: list[ProgressRecord] = []
-    start = line.find(MARKER)
-    while start >= 0:
-        at = start + len(MARKER)
-        try:
-            data, _end = _DECODER.raw_decode(line, at)
-        except ValueError:
-            data = None
-        record = ProgressRecord.from_dict(data)
-        if record is not None:
-            out.append(record)
-        start = line.find(MARKER, at)
-    return out
-
-
-def parse_records(lines: Iterable[str]) -> list[ProgressRecord]:
-    """Every record in ``lines``, in order."""
-    return [record for line in lines for record in parse_line(line)]
-
-
-class RecordStream:
-    """Records from text that arrives in chunks (a log read while it is written): a line is
-    parsed only once its newline came, so a record split across two reads is read whole."""
-
-    def __init__(self) -> None:
-        self._rest = ""
-
-    def feed(self, chunk: str) -> list[ProgressRecord]:
-        data = self._rest + chunk
-        *lines, self._rest = data.split("\n")
-        return parse_records(lines)
+from airflow_torchrun.contract.progress import (
+    DEFAULT_INTERVAL,
+    EVENT_RENDEZVOUS,
+    EVENT_START,
+    INTERVAL_ENV,
+    ProgressRecord,
+    float_to_hex,
+    records_enabled,
+    thin_losses,
+)
 
 
 def _interval() -> float:
@@ -160,6 +82,9 @@ class ProgressRecorder:
         self._last_step_at: float | None = None
         self._emitted_at: float | None = None
         self._emitted_step: int | None = None
+        self._since: float | None = None
+        self.last_save_s: float | None = None  # the last save's blocking seconds (should_checkpoint reads it)
+        self.save_total_s = 0.0  # every save's, since the process started
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -171,6 +96,35 @@ class ProgressRecorder:
         self._timed_peers = 0.0
         self._peer_steps = 0
         self._loss: float | None = None
+        self._save_s = 0.0
+        self._losses: list[tuple[int, str]] = []
+
+    def started(self, step: int) -> ProgressRecord | None:
+        """The training loop starts after ``step`` (the step resumed from; 0 on a fresh start):
+        prints an ``event: "start"`` record, and the first step is timed from now."""
+        if not self.enabled:
+            return None
+        now = self._clock()
+        self._last_step, self._last_step_at = step, now
+        self._since = now
+        record = ProgressRecord(rank=self.rank, step=step, time=round(now, 3), event=EVENT_START)
+        self._emit(record.to_line())
+        return record
+
+    def saved(self, seconds: float) -> None:
+        """A ``save_checkpoint`` blocked this rank for ``seconds``."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._save_s += seconds
+            self.last_save_s = seconds
+            self.save_total_s += seconds
+
+    def flush(self) -> ProgressRecord | None:
+        """Print the window not printed yet (steps since the last record), if any; at exit too."""
+        if not self.enabled or self._last_step is None or self._last_step == self._emitted_step:
+            return None
+        if self._steps == 0 and self._timed_steps == 0 and not self._losses:
+            return None
+        return self._flush(self._last_step, self._clock())
 
     @property
     def enabled(self) -> bool:
@@ -197,6 +151,13 @@ class ProgressRecorder:
             self.samples_per_step = float(samples)
         if loss is not None and math.isfinite(loss):
             self._loss = float(loss)
+            pair = (int(step), float_to_hex(loss))
+            if self._losses and self._losses[-1][0] == step:
+                self._losses[-1] = pair
+            else:
+                self._losses.append(pair)
+        if self._since is None:
+            self._since = now
         if step != self._last_step:
             if self._last_step_at is not None and self._last_step is not None and step > self._last_step:
                 self._steps += step - self._last_step
@@ -233,9 +194,14 @@ class ProgressRecorder:
             else None,
             data_wait=round(self._timed_data / self._timed_total, 4) if self._timed_total > 0 else None,
             loss=self._loss,
+            since=round(self._since, 3) if self._since is not None else None,
+            data_s=round(self._timed_data, 6) if self._timed_steps else None,
+            save_s=round(self._save_s, 6) if self._save_s else None,
+            losses=thin_losses(self._losses),
         )
         self._emit(record.to_line())
         self._emitted_at, self._emitted_step = now, step
+        self._since = now
         self._reset_window()
         return record
 
@@ -248,7 +214,16 @@ def recorder() -> ProgressRecorder:
     global _RECORDER
     if _RECORDER is None:
         _RECORDER = ProgressRecorder()
+        atexit.register(_RECORDER.flush)
     return _RECORDER
+
+
+def mark_rendezvous(rank: int) -> None:
+    """The moment this rank's process group is ready, as an ``event: "rendezvous"`` record (the
+    launchers call it when ``init_process_group`` returns; nothing when records are off)."""
+    if records_enabled(os.environ.get(INTERVAL_ENV)):
+        record = ProgressRecord(rank=rank, step=0, time=round(time.time(), 3), event=EVENT_RENDEZVOUS)
+        print(record.to_line(), flush=True)
 
 
 def _clock(seconds: float) -> str:
@@ -300,6 +275,7 @@ class ProgressLogger:
         self._started = clock()
         self._last_time = self._started
         self._last_step = start_step
+        self.records.started(start_step)
 
     def update(self, step: int, **metrics: float) -> str | None:
         """Record that ``step`` is done; return the line when one is logged (rank 0 only)."""
@@ -332,8 +308,3 @@ class ProgressLogger:
         else:
             print(line, flush=True)
         return line
-
-
-def iter_records(text: str) -> Iterator[ProgressRecord]:
-    """Records in a whole text (a log file's content)."""
-    yield from parse_records(text.splitlines())

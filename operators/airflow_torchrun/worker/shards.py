@@ -10,13 +10,29 @@ manifest's URI to every rank as ``TRAIN_SHARD_MANIFEST``. Typical use in a train
 
 No Airflow import here. S3 credentials and endpoint come from the usual AWS variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...) or ``storage_options``.
+
+**Batches that resume where they stopped.** :class:`ShardLoader` yields this rank's rows in
+batches, in an order that depends only on (seed, epoch, rank), and knows its position (epoch,
+offset, seed). Put :meth:`ShardLoader.state_dict` into the checkpoint and give it back to
+:meth:`ShardLoader.load_state_dict` after loading: the resumed run reads the very batches the
+interrupted one would have read next, instead of starting its epoch from zero (which the resume
+audit reports as ``diverged``)::
+
+    loader = ShardLoader.from_manifest(batch_size=32, seed=0)
+    state = load_checkpoint()
+    if state is not None:
+        loader.load_state_dict(state["data"])
+    while loader.epoch < epochs:
+        for batch in loader:             # the rest of the current epoch, then the next one begins
+            ...
+            save_checkpoint({"model": ..., "data": loader.state_dict()}, step)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from airflow_torchrun.contract import SHARD_MANIFEST
@@ -150,3 +166,112 @@ def load_eval_split(
             "re-shard with eval_fraction > 0 to hold rows out for evaluation"
         )
     return read_shard(m.eval, m, verify=verify, storage_options=storage_options)
+
+
+class ShardLoader:
+    """This rank's rows in batches, a seeded order per epoch, its position saved and restored.
+
+    :param columns: the rows (``{column: ndarray}``, first axis = rows), e.g. :func:`load_shard`'s.
+    :param batch_size: rows per batch.
+    :param seed: the order's seed; epoch ``e`` of rank ``r`` is a permutation seeded by ``(seed, e, r)``.
+    :param rank: default ``RANK``.
+    :param num_samples: rows one epoch uses (default all; give every rank the same, e.g. the
+        smallest shard's size, so that every rank takes the same number of steps).
+    :param shuffle: False: the rows in their order, every epoch.
+
+    Iterating yields the batches left in the current epoch (from :attr:`offset`), each a
+    ``{column: ndarray}``, and then moves to the next epoch (:attr:`epoch` + 1, offset 0). A batch
+    counts as taken once it was yielded, so the state saved after a step resumes with the next one.
+    The last partial batch of an epoch is dropped.
+    """
+
+    def __init__(
+        self,
+        columns: Mapping[str, Any],
+        *,
+        batch_size: int,
+        seed: int = 0,
+        rank: int | None = None,
+        num_samples: int | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        import numpy as np
+
+        self.columns = {name: np.asarray(values) for name, values in columns.items()}
+        sizes = {len(v) for v in self.columns.values()}
+        if len(sizes) > 1:
+            raise ShardAssignmentError(f"the shard's columns have different numbers of rows: {sorted(sizes)}")
+        rows = sizes.pop() if sizes else 0
+        self.rank = _rank_and_world(None, None)[0] if rank is None else int(rank)
+        self.num_samples = rows if num_samples is None else int(num_samples)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+        if not 0 < self.num_samples <= rows:
+            raise ShardAssignmentError(f"num_samples must be between 1 and the shard's {rows} rows, got {num_samples}")
+        self.batch_size, self.seed, self.shuffle = batch_size, int(seed), shuffle
+        self.epoch, self.offset = 0, 0
+
+    @classmethod
+    def from_manifest(
+        cls,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_samples: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> ShardLoader:
+        """This rank's shard of ``TRAIN_SHARD_MANIFEST`` (:func:`load_shard`), in batches."""
+        r, w = _rank_and_world(rank, world_size)
+        columns = load_shard(r, w, storage_options=storage_options)
+        return cls(columns, batch_size=batch_size, seed=seed, rank=r, num_samples=num_samples)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self.num_samples // self.batch_size
+
+    def order(self, epoch: int) -> Any:
+        """The rows of ``epoch``, in the order they are read (the same on every try)."""
+        import numpy as np
+
+        rows = len(next(iter(self.columns.values()))) if self.columns else 0
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        generator = np.random.default_rng([self.seed, epoch, self.rank])
+        return generator.permutation(rows)[: self.num_samples]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        order = self.order(self.epoch)
+        while self.offset < len(self):
+            rows = order[self.offset * self.batch_size : (self.offset + 1) * self.batch_size]
+            self.offset += 1
+            yield {name: values[rows] for name, values in self.columns.items()}
+        self.epoch, self.offset = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position (epoch, offset: batches taken in it, seed) and what the order depends on."""
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a position :meth:`state_dict` gave; one taken with another seed, batch size
+        or epoch length would read other batches than the run it came from, and is refused."""
+        for name in ("seed", "batch_size", "num_samples"):
+            if name in state and int(state[name]) != getattr(self, name):
+                raise ValueError(
+                    f"the saved data position was taken with {name}={state[name]}, this loader has "
+                    f"{name}={getattr(self, name)}: resuming would read other batches than the interrupted run"
+                )
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if epoch < 0 or not 0 <= offset <= len(self):
+            raise ValueError(f"the saved data position (epoch {epoch}, offset {offset}) is not one of this loader")
+        if offset == len(self):  # saved after an epoch's last batch: the next epoch is next
+            epoch, offset = epoch + 1, 0
+        self.epoch, self.offset = epoch, offset
+        log.info("Data position restored: epoch %d, batch %d of %d (seed %d)", epoch, offset, len(self), self.seed)

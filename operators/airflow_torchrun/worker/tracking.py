@@ -38,6 +38,7 @@ No Airflow import here; mlflow is imported on rank 0 only, when first needed.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
@@ -50,7 +51,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from airflow_torchrun import contract
 from airflow_torchrun.errors import is_transient, retry_transient
+from airflow_torchrun.mlflow_http import bounded_requests
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -70,34 +73,6 @@ _PARAM_LIMIT = 100
 # After a failed send: wait this long before the next attempt, doubling up to the maximum.
 RETRY_FIRST_S = 5.0
 RETRY_MAX_S = 60.0
-# The variables MLflow's HTTP client reads on every request (see bounded_requests).
-_HTTP_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
-_HTTP_TIMEOUT = "MLFLOW_HTTP_REQUEST_TIMEOUT"
-
-
-@contextmanager
-def bounded_requests(*, timeout: float | None, retries: int = 0) -> Iterator[None]:
-    """MLflow HTTP requests made inside the block: at most ``retries`` retries, ``timeout`` s each.
-
-    MLflow's client otherwise retries a dead server for minutes (7 retries, back-off factor 2,
-    120 s timeouts): far longer than a task's budget, and a stalled training loop. MLflow reads
-    these two variables per request, so they are set for the block and restored after it
-    (process-wide while the block runs: enter it from one thread at a time).
-    ``timeout=None`` leaves the timeout alone (artifact uploads may take long).
-    """
-    wanted = {_HTTP_RETRIES: str(int(retries))}
-    if timeout is not None:
-        wanted[_HTTP_TIMEOUT] = str(max(1, round(timeout)))
-    saved = {key: os.environ.get(key) for key in wanted}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -213,8 +188,8 @@ class RunLogger:
         close_budget: float = 30.0,
     ) -> None:
         self.rank = current_rank() if rank is None else rank
-        self.run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        self.run_id = run_id or os.environ.get(contract.MLFLOW_RUN_ID) or None
+        self.tracking_uri = tracking_uri or os.environ.get(contract.MLFLOW_TRACKING_URI) or None
         self.flush_every = max(1, int(flush_every))
         self.flush_seconds = float(flush_seconds)
         self.max_buffered = max(1, int(max_buffered))
@@ -223,6 +198,13 @@ class RunLogger:
         self.enabled = self.rank == 0 and self.run_id is not None
         if self.rank == 0 and self.run_id is None:
             log.warning("MLFLOW_RUN_ID is not set: not logging to MLflow (run through DistributedTrainingOperator)")
+        if self.enabled and importlib.util.find_spec("mlflow") is None:
+            # Tracking never fails training: say once what to change instead of raising at a step.
+            log.error(
+                "MLFLOW_RUN_ID is set but mlflow is not installed where this rank runs: not logging to MLflow "
+                "(install airflow-torchrun[mlflow] in the trainer's environment or image)"
+            )
+            self.enabled = False
         self._client: MlflowClient | None = None
         self._pending: list[Metric] = []
         self._pending_params: dict[str, str] = {}

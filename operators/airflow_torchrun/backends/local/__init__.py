@@ -1,0 +1,5 @@
+"""The local backend (the embedded default): every node is a torchrun agent process on this machine.
+
+``backend`` runs the group, ``supervisor`` watches one node (its own process, one per node),
+``procs`` finds and stops a group's processes by the marker they inherit.
+"""

@@ -1,0 +1,126 @@
+"""Finding and stopping a group's processes by the marker every one of them inherits.
+
+torchrun starts each worker in a session of its own, so killing an agent's process group does not
+reach its workers, and a SIGKILLed agent leaves them running (seen with torchrun 2.13, even when
+the agent's whole process group was SIGKILLed). Every process of a group carries
+``AIRFLOW_TORCHRUN_GROUP_ID`` in its environment from exec on, so it can be found from /proc
+whatever became of its parent. PIDs are re-checked before each signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fp:
+            raw = fp.read()
+    except OSError:
+        return {}
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k: v for k, _, v in pairs}
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            # the state follows the command name, which is in parentheses and may hold spaces
+            return fp.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    return not _is_zombie(pid)
+
+
+def group_pids(group_id: str, node_rank: int | None = None, *, exclude: int | None = None) -> list[int]:
+    """Live (non-zombie) processes of the group, or of one node of it."""
+    want_group = group_id.encode()
+    want_node = None if node_rank is None else str(node_rank).encode()
+    me = os.getpid() if exclude is None else exclude
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        env = _environ(pid)
+        if env.get(GROUP_ID_VAR.encode()) != want_group:
+            continue
+        if want_node is not None and env.get(NODE_RANK_VAR.encode()) != want_node:
+            continue
+        if not _is_zombie(pid):
+            found.append(pid)
+    return found
+
+
+def groups_running(matches: Callable[[str], bool]) -> dict[str, list[int]]:
+    """Live processes of every group whose id ``matches``, by group id (one scan of /proc)."""
+    me = os.getpid()
+    found: dict[str, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        group = _environ(int(name)).get(GROUP_ID_VAR.encode())
+        if group is None:
+            continue
+        group_id = group.decode("utf-8", "replace")
+        if matches(group_id) and not _is_zombie(int(name)):
+            found.setdefault(group_id, []).append(int(name))
+    return found
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_group(
+    group_id: str,
+    *,
+    node_rank: int | None = None,
+    grace: float = 10.0,
+    exclude: int | None = None,
+    reap: object = None,
+) -> list[int]:
+    """SIGTERM every process of the group (or node), SIGKILL what is left after ``grace`` seconds.
+
+    Returns the PIDs that needed SIGKILL. Idempotent: with nothing running it returns at once.
+    ``reap``, when given, is called while waiting so a parent can collect its dead children.
+    """
+    pids = group_pids(group_id, node_rank, exclude=exclude)
+    if not pids:
+        return []
+    signal_pids(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if callable(reap):
+            reap()
+        pids = group_pids(group_id, node_rank, exclude=exclude)
+        if not pids:
+            return []
+        time.sleep(0.05)
+    signal_pids(pids, signal.SIGKILL)
+    killed = pids
+    deadline = time.monotonic() + 5.0
+    while group_pids(group_id, node_rank, exclude=exclude) and time.monotonic() < deadline:
+        if callable(reap):
+            reap()
+        time.sleep(0.05)
+    return killed

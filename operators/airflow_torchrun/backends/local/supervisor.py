@@ -1,0 +1,267 @@
+"""One node of a local group: ``python -m airflow_torchrun.backends.local.supervisor``.
+
+The local backend starts one supervisor per node, each the leader of a new session. The
+supervisor runs the node's torchrun agent and records on disk what a watcher in another process
+needs (a deferrable trigger, a re-attaching worker): ``supervisor.json`` when it starts,
+``workers.json`` with the outcome of every worker (rank) of the agent as each one ends,
+``rank-failed.json`` as soon as one of them ended badly (the agent itself takes a second or more
+to stop the node and exit), and ``exit.json`` when the agent is gone.
+
+A worker's outcome is its exit status, read from the kernel: the supervisor holds a pidfd of each
+of the agent's children, which becomes readable the moment the child dies, and reads the status
+from ``/proc/<pid>/stat`` while the child is a zombie (the agent reaps it at its next monitor tick,
+0.1 s later). Never from log text: the ranks' output shares the node's log, and a rank that printed
+the agent's words for a dead worker once tore a healthy group down. A status the supervisor was too
+late to see leaves the decision to the agent's own exit. It becomes a child
+subreaper so that workers orphaned by a dying agent are re-parented to it and reaped, and on
+SIGTERM, or when ``--watch-pid`` dies (the sync-mode Airflow task process), it stops every process
+of its node. Imports stay light: no
+torch, no Airflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from airflow_torchrun.backends.local.procs import pid_alive, stop_group
+from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
+
+PR_SET_CHILD_SUBREAPER = 36
+RANK_FAILED_FILE = "rank-failed.json"
+WORKERS_FILE = "workers.json"
+
+
+@dataclass
+class _Worker:
+    pid: int
+    started: str  # /proc/<pid>/stat's start time: the same pid later is another process
+    fd: int | None  # a pidfd (readable once the process died), where the kernel has them
+    rank: int | None = None
+    local_rank: int | None = None
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            return fp.read().rsplit(b")", 1)[1].decode().split()
+    except (OSError, IndexError):
+        return None
+
+
+def _ranks_of(pid: int) -> tuple[int | None, int | None]:
+    """``RANK`` and ``LOCAL_RANK`` from a worker's environment (unreadable before its exec, and once
+    it is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fp:
+            pairs = dict(item.partition(b"=")[::2] for item in fp.read().split(b"\0") if item)
+    except OSError:
+        return None, None
+    try:
+        return int(pairs[b"RANK"]), int(pairs[b"LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return None, None
+
+
+class _WorkerWatch:
+    """The agent's workers, each watched through a pidfd; what each one ended with."""
+
+    # stat fields after the name: state is 0, starttime is field 22 (index 19), exit_code field 52 (49)
+    _STATE, _START, _EXIT = 0, 19, 49
+
+    def __init__(self, agent_pid: int) -> None:
+        self.agent_pid = agent_pid
+        self.workers: dict[int, _Worker] = {}
+        self.outcomes: list[dict[str, object]] = []
+
+    def _children(self) -> list[int]:
+        pids: list[int] = []
+        try:
+            tasks = os.listdir(f"/proc/{self.agent_pid}/task")
+        except OSError:
+            return pids
+        for tid in tasks:
+            try:
+                with open(f"/proc/{self.agent_pid}/task/{tid}/children") as fp:
+                    pids += [int(p) for p in fp.read().split()]
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    def discover(self) -> None:
+        for pid in self._children():
+            if pid in self.workers:
+                continue
+            fields = _stat(pid)
+            if fields is None or fields[self._STATE] == "Z":
+                continue  # gone before it was seen: the agent's exit tells
+            try:
+                fd: int | None = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                fd = None  # no pidfds here: the worker is polled instead
+            self.workers[pid] = _Worker(pid, fields[self._START], fd)
+        for worker in self.workers.values():
+            if worker.rank is None:
+                worker.rank, worker.local_rank = _ranks_of(worker.pid)
+
+    def fds(self) -> list[int]:
+        return [w.fd for w in self.workers.values() if w.fd is not None]
+
+    def ended(self, readable: Sequence[int]) -> list[dict[str, object]]:
+        """The outcomes of workers that died since the last call (their pidfd readable, or, without
+        pidfds, found dead): exit code or signal from the kernel; ``None`` for a status missed."""
+        done = []
+        for worker in list(self.workers.values()):
+            if worker.fd is not None and worker.fd not in readable:
+                continue
+            fields = _stat(worker.pid)
+            alive = fields is not None and fields[self._START] == worker.started
+            if alive and fields is not None and fields[self._STATE] != "Z":
+                continue
+            outcome: dict[str, object] = {
+                "pid": worker.pid,
+                "rank": worker.rank,
+                "local_rank": worker.local_rank,
+                "at": time.time(),
+                "exit_code": None,
+                "signal": None,
+            }
+            if alive and fields is not None:  # a zombie: its wait status, as waitpid would return it
+                status = int(fields[self._EXIT])
+                if os.WIFSIGNALED(status):
+                    outcome["signal"] = signal.Signals(os.WTERMSIG(status)).name
+                    outcome["exit_code"] = -os.WTERMSIG(status)
+                else:
+                    outcome["exit_code"] = os.WEXITSTATUS(status)
+            done.append(outcome)
+            self.close(worker)
+        self.outcomes += done
+        return done
+
+    def close(self, worker: _Worker) -> None:
+        if worker.fd is not None:
+            os.close(worker.fd)
+        del self.workers[worker.pid]
+
+
+def write_json(path: Path, data: dict[str, object]) -> None:
+    """Atomic: a reader sees the whole file or none of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: stragglers are still found by their marker
+
+
+class _Reaper:
+    """Reaps the node's dead descendants (orphans re-parented to this subreaper) without losing the
+    agent's own status: ``waitpid(-1)`` may collect the agent too, and ``Popen.wait()`` would then
+    report 0 for it (a torn-down node recorded as a success)."""
+
+    def __init__(self, agent: subprocess.Popen[bytes] | None = None) -> None:
+        self.agent = agent
+
+    def __call__(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.agent is not None and pid == self.agent.pid and self.agent.returncode is None:
+                self.agent.returncode = os.waitstatus_to_exitcode(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node-dir", required=True, type=Path)
+    parser.add_argument("--watch-pid", type=int, default=0, help="stop the node when this PID is gone")
+    parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    node_dir: Path = args.node_dir
+    group_id = os.environ[GROUP_ID_VAR]
+    node_rank = int(os.environ[NODE_RANK_VAR])
+
+    stop_reason: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_reason.append(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    _become_subreaper()
+
+    started = time.time()
+    with open(node_dir / "node.log", "ab", buffering=0) as log:
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    reap = _Reaper(agent)
+    write_json(
+        node_dir / "supervisor.json",
+        {"pid": os.getpid(), "agent_pid": agent.pid, "started_at": started, "command": command},
+    )
+
+    watch_parent = args.watch_pid and args.watch_pid == os.getppid()
+    workers = _WorkerWatch(agent.pid)
+    failed_reported = False
+    returncode: int | None = None
+    while returncode is None:
+        workers.discover()
+        readable, _, _ = select.select(workers.fds(), [], [], 0.05) if workers.fds() else ([], [], [])
+        ended = workers.ended(readable)
+        if ended:
+            write_json(node_dir / WORKERS_FILE, {"workers": workers.outcomes})
+        bad = [o for o in ended if o["exit_code"] != 0 and o["exit_code"] is not None]
+        if bad and not failed_reported and not stop_reason:
+            failed_reported = True
+            write_json(node_dir / RANK_FAILED_FILE, bad[0])
+        gone = (os.getppid() != args.watch_pid) if watch_parent else not pid_alive(args.watch_pid)
+        if not stop_reason and args.watch_pid and gone:
+            stop_reason.append(f"watched process {args.watch_pid} exited")
+        if stop_reason:
+            # torchrun forwards SIGTERM to its workers; stop_group also reaches the ones it
+            # cannot (other sessions, orphans) and escalates to SIGKILL after the grace period.
+            stop_group(group_id, node_rank=node_rank, grace=args.grace, reap=reap)
+        try:
+            returncode = agent.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            continue
+    # The agent is gone; its workers normally went with it. Make sure, then record the outcome.
+    leftovers = stop_group(group_id, node_rank=node_rank, grace=min(args.grace, 5.0), reap=reap)
+    reap()
+    for worker in list(workers.workers.values()):
+        workers.close(worker)
+    write_json(
+        node_dir / "exit.json",
+        {
+            "returncode": returncode,
+            "signal": signal.Signals(-returncode).name if returncode < 0 else None,
+            "started_at": started,
+            "finished_at": time.time(),
+            "stopped_by": stop_reason[0] if stop_reason else None,
+            "killed_stragglers": leftovers,
+        },
+    )
+    return 0 if returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Checkpoint bytes on their way out and in, each checksummed as it passes (no second read).
+
+``torch.save`` hands its writer one record at a time (the pickle, then each tensor's storage, as a
+memoryview valid only during the call). The writers here take each one as it comes:
+
+- :class:`DiskWriter` (``file://``): the CRC-32 of a large record is computed on a helper thread
+  while this thread copies the same bytes into the page cache (zlib and ``os.write`` both release
+  the GIL, so on two cores they overlap), and the disk's writeback of what is written so far is
+  started every :data:`WRITEBACK_BYTES` (``sync_file_range``), so the one ``fsync`` at the end only
+  waits for the tail: serialisation and the disk's write overlap.
+- :class:`S3PartWriter` (``s3://``): a multipart upload whose parts go out while later records are
+  still being serialised, :data:`S3_CONCURRENCY` at a time, on s3fs's own event loop; an object
+  smaller than one part is a single PUT. Aborted on any error: nothing half-uploaded is left.
+- :func:`s3_read` reads an object in ranged GETs, concurrently, the checksum computed in order as the
+  parts arrive.
+
+Memory: the disk writer holds nothing; the S3 writer at most ``S3_CONCURRENCY + 1`` parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from airflow_torchrun.storage.checkpoints import checksum_text, crc32_of
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+# Records at least this big are checksummed on the helper thread while they are written.
+PARALLEL_BYTES = 1 << 20
+# Start the disk's writeback every so many bytes written.
+WRITEBACK_BYTES = 32 << 20
+S3_PART_BYTES = 16 << 20  # S3's minimum part is 5 MiB (the last one excepted)
+S3_CONCURRENCY = 4
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """``sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing the range
+    back without waiting for it; None where libc has no such call."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    call.restype = ctypes.c_int
+
+    def start_writeback(fd: int, offset: int, count: int) -> None:
+        call(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # a refusal only means the fsync does it all
+
+    return start_writeback
+
+
+_START_WRITEBACK = _sync_file_range()
+
+
+class _Helper:
+    """One daemon thread that runs a function while the caller does something else."""
+
+    def __init__(self) -> None:
+        self._work: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="airflow-torchrun-checksum", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._ready:
+            self._work.append((fn, future))
+            self._ready.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._work:
+                    self._ready.wait()
+                fn, future = self._work.pop(0)
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                future.set_exception(exc)
+
+
+_HELPER: _Helper | None = None
+_HELPER_LOCK = threading.Lock()
+
+
+def _helper() -> _Helper:
+    global _HELPER
+    with _HELPER_LOCK:
+        if _HELPER is None:
+            _HELPER = _Helper()
+        return _HELPER
+
+
+class DiskWriter:
+    """A write-only file object over ``fd`` for ``torch.save``: CRC-32 and size kept as bytes pass,
+    the disk's writeback started as they go. :meth:`close` makes the file durable (one fsync)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.crc = 0
+        self.size = 0
+        self._written_back = 0
+        self._writeback: Future[Any] | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        count = view.nbytes
+        if count >= PARALLEL_BYTES:
+            crc, start = self.crc, view
+            summed = _helper().submit(lambda: crc32_of(start, crc))
+            try:
+                self._write_all(view)
+            finally:
+                self.crc = summed.result()  # the view is torch's only for the call: never leave it in use
+        else:
+            self.crc = crc32_of(view, self.crc)
+            self._write_all(view)
+        self.size += count
+        due = _START_WRITEBACK is not None and self.size - self._written_back >= WRITEBACK_BYTES
+        if due and (self._writeback is None or self._writeback.done()):
+            fd, offset, length, begin = self.fd, self._written_back, self.size - self._written_back, _START_WRITEBACK
+            self._writeback = _helper().submit(lambda: begin(fd, offset, length) if begin else None)
+            self._written_back = self.size
+        return count
+
+    def _write_all(self, view: memoryview) -> None:
+        while view.nbytes:
+            view = view[os.write(self.fd, view) :]
+
+    def flush(self) -> None:
+        pass  # nothing is buffered here
+
+    def close(self) -> None:
+        """Durable: every byte on the disk (the rename and its directory are the caller's)."""
+        if self._writeback is not None:
+            self._writeback.result()
+        os.fsync(self.fd)
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+class S3PartWriter:
+    """A write-only file object for ``torch.save`` that uploads ``path`` in parts while it is written.
+
+    Parts of :data:`S3_PART_BYTES` go out on the filesystem's event loop as they fill, at most
+    ``concurrency`` at a time (the writer waits for the oldest beyond that). :meth:`close` uploads
+    the last part and completes the upload (or, for an object smaller than a part, PUTs it whole);
+    :meth:`abort` (on any error) abandons it, so no torn object ever appears under ``path``.
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        path: str,
+        *,
+        part_bytes: int = S3_PART_BYTES,
+        concurrency: int = S3_CONCURRENCY,
+    ) -> None:
+        self.fs, self.path = fs, path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_bytes, self.concurrency = part_bytes, max(1, concurrency)
+        self.crc = 0
+        self.size = 0
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[tuple[int, Future[Any]]] = []
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        count = view.nbytes
+        self.crc = crc32_of(view, self.crc)
+        self.size += count
+        while view.nbytes:
+            room = self.part_bytes - len(self._buffer)
+            self._buffer += view[:room]
+            view = view[room:]
+            if len(self._buffer) == self.part_bytes:
+                part, self._buffer = self._buffer, bytearray()  # handed over whole: no copy
+                self._send(part)
+        return count
+
+    def flush(self) -> None:
+        pass  # parts go out as they fill; the last one at close
+
+    def _call(self, method: str, **kwargs: Any) -> Future[Any]:
+        coro = self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    def _send(self, part: bytearray) -> None:
+        if self._upload_id is None:
+            self._upload_id = str(self._call("create_multipart_upload").result()["UploadId"])
+        in_flight = [f for _, f in self._parts if not f.done()]
+        if len(in_flight) >= self.concurrency:
+            in_flight[0].result()
+        number = len(self._parts) + 1
+        self._parts.append((number, self._call("upload_part", PartNumber=number, UploadId=self._upload_id, Body=part)))
+
+    def close(self) -> None:
+        if self._upload_id is None:
+            self._call("put_object", Body=self._buffer).result()
+        else:
+            if self._buffer or not self._parts:
+                self._send(self._buffer)
+            done = [{"PartNumber": n, "ETag": f.result()["ETag"]} for n, f in self._parts]
+            self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": done}).result()
+        self._buffer = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        """Abandon the upload (best effort: S3 drops an unfinished upload's parts on abort)."""
+        for _, future in self._parts:
+            future.cancel()
+        if self._upload_id is not None:
+            try:
+                self._call("abort_multipart_upload", UploadId=self._upload_id).result()
+            except Exception:  # the save failed already; a lifecycle rule may still sweep the parts
+                pass
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+def s3_read(
+    fs: AbstractFileSystem, path: str, *, part_bytes: int = S3_PART_BYTES, concurrency: int = S3_CONCURRENCY
+) -> tuple[bytearray, int]:
+    """The object's bytes and their CRC-32, fetched in ranged GETs ``concurrency`` at a time (one
+    GET for an object of one part); the checksum is computed in order as the parts arrive."""
+    size = int(fs.size(path))  # raises FileNotFoundError for a missing object
+    out = bytearray(size)
+    loop = fs.loop
+    starts = list(range(0, size, part_bytes))
+
+    def fetch(start: int) -> Future[Any]:
+        end = min(size, start + part_bytes)
+        return asyncio.run_coroutine_threadsafe(fs._cat_file(path, start=start, end=end), loop)
+
+    futures = {start: fetch(start) for start in starts[:concurrency]}
+    crc = 0
+    for index, start in enumerate(starts):
+        data = futures.pop(start).result()
+        if index + concurrency < len(starts):
+            nxt = starts[index + concurrency]
+            futures[nxt] = fetch(nxt)
+        if len(data) != min(part_bytes, size - start):
+            raise FileNotFoundError(f"{path} changed while it was read")
+        out[start : start + len(data)] = data
+        crc = crc32_of(data, crc)
+    return out, crc

@@ -1,0 +1,258 @@
+"""The e2e suite against the real cluster of ``make cluster`` (``cluster/``).
+
+The session fixture uses the running cluster or brings it up; where it cannot (not root, no Go),
+the suite is skipped with the reason, except in CI (``CI=true``), where that is a failure. Every
+test drives the public contract only: DAG files with ``DistributedTrainingOperator(backend=
+"kubernetes", ...)`` run by ``airflow dags test`` (or ``airflow standalone``), with the Airflow
+connection ``kubernetes_default`` that the cluster's environment file defines, and kubectl. After
+each test, nothing of its DAG may be left on the cluster (Jobs, Pods, Services, Secrets) and no
+rank process may run on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import kube
+from cluster.layout import NAMESPACE, NODES, ROOT, state
+from cluster.up import airflow_env
+
+IN_CI = os.environ.get("CI", "").strip().lower() == "true"
+RUN_DEADLINE_S = 900.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A pipeline on the cluster takes minutes on two cores: the suite-wide 300 s is not for these.
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.timeout(1800))
+
+
+def _cluster_running() -> bool:
+    try:
+        return kube.api_ready() and len(kube.ready_nodes()) == len(NODES)
+    except SystemExit:  # kubectl not built yet
+        return False
+
+
+@pytest.fixture(scope="session")
+def cluster_env() -> dict[str, str]:
+    """The environment an Airflow process needs for the cluster (from its environment file)."""
+    if not _cluster_running():
+        why = ""
+        if os.geteuid() != 0:
+            why = "the cluster needs root (kubelets, containerd)"
+        else:
+            done = subprocess.run([sys.executable, "-m", "cluster", "up"], cwd=ROOT, check=False)
+            if done.returncode != 0:
+                why = f"python -m cluster up exited {done.returncode}"
+        if why or not _cluster_running():
+            message = f"no Kubernetes cluster: {why or 'it did not become ready'} (make cluster)"
+            if IN_CI:
+                pytest.fail(message)
+            pytest.skip(message)
+    return airflow_env(state())
+
+
+@dataclass
+class DagRun:
+    rc: int
+    output: str
+    tasks: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def state(self, task_id: str) -> str:
+        return self.tasks.get(task_id, ("missing", 0))[0]
+
+    def tries(self, task_id: str) -> int:
+        return self.tasks.get(task_id, ("missing", 0))[1]
+
+
+@dataclass
+class Airflow:
+    """An Airflow home of its own (SQLite) with a DAGs folder, pointed at the cluster."""
+
+    home: Path
+    dags: Path
+    env: dict[str, str]
+
+    def write_dag(self, name: str, source: str) -> Path:
+        path = self.dags / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    def run(self, *args: str, timeout: float = RUN_DEADLINE_S) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "airflow", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def dags_test(self, dag_id: str, conf: dict[str, Any] | None = None, timeout: float = RUN_DEADLINE_S) -> DagRun:
+        args = ["dags", "test", dag_id]
+        if conf:
+            args += ["-c", json.dumps(conf)]
+        done = self.run(*args, timeout=timeout)
+        output = done.stdout + done.stderr
+        (self.home / f"{dag_id}.log").write_text(output)
+        return DagRun(done.returncode, output, self.task_states(dag_id))
+
+    def task_states(self, dag_id: str) -> dict[str, tuple[str, int]]:
+        with sqlite3.connect(self.home / "airflow.db") as db:
+            run = db.execute("select run_id from dag_run where dag_id=? order by id desc limit 1", (dag_id,)).fetchone()
+            if run is None:
+                return {}
+            rows = db.execute(
+                "select task_id, state, try_number from task_instance where dag_id=? and run_id=?", (dag_id, run[0])
+            ).fetchall()
+        return {task: (str(st), int(tries)) for task, st, tries in rows}
+
+    def xcom(self, dag_id: str, task_id: str, key: str = "return_value") -> Any:
+        with sqlite3.connect(self.home / "airflow.db") as db:
+            row = db.execute(
+                "select value from xcom where dag_id=? and task_id=? and key=? order by dag_run_id desc limit 1",
+                (dag_id, task_id, key),
+            ).fetchone()
+        return None if row is None else json.loads(row[0])
+
+
+@pytest.fixture
+def airflow(cluster_env: dict[str, str], tmp_path: Path) -> Iterator[Airflow]:
+    """The test's Airflow; afterwards, none of its objects may be on the cluster and no rank
+    process may run (polled: pods are deleted gracefully)."""
+    home, dags = tmp_path / "airflow", tmp_path / "dags"
+    home.mkdir()
+    dags.mkdir()
+    env = {
+        **os.environ,
+        **cluster_env,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__TORCHRUN__STATE_DIR": str(tmp_path / "torchrun"),
+        # One deployment name per test: a test's Jobs are told from every other test's by it.
+        "AIRFLOW__TORCHRUN__DEPLOYMENT": f"e2e-{os.getpid()}-{time.monotonic_ns() % 10**6}",
+    }
+    af = Airflow(home, dags, env)
+    done = af.run("db", "migrate", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    yield af
+    nothing_left(af.env["AIRFLOW__TORCHRUN__DEPLOYMENT"])
+
+
+def objects_of(deployment: str) -> dict[str, list[str]]:
+    """Every Job, Pod, Service and Secret of one deployment's groups still on the cluster."""
+    found = {}
+    for kind in ("jobs", "pods", "services", "secrets"):
+        items = kube.kubectl_json("get", kind, "-n", NAMESPACE, "-l", f"airflow-torchrun/deployment={deployment}")
+        found[kind] = [i["metadata"]["name"] for i in items["items"]]
+    return found
+
+
+def rank_processes() -> list[str]:
+    """torchrun agents and ranks running in the cluster's pods (their cgroups), on this machine."""
+    cgroup = state().cgroup
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            groups = (proc / "cgroup").read_text()
+        except OSError:
+            continue
+        if cgroup in groups and ("torch.distributed.run" in cmd or "airflow_torchrun.worker" in cmd):
+            found.append(f"{proc.name}: {cmd[:160]}")
+    return found
+
+
+def nothing_left(deployment: str) -> None:
+    deadline = time.monotonic() + 120
+    left: dict[str, list[str]] = {}
+    procs: list[str] = []
+    while time.monotonic() < deadline:
+        left = {k: v for k, v in objects_of(deployment).items() if v}
+        procs = rank_processes()
+        if not left and not procs:
+            return
+        time.sleep(2)
+    # Clean up for the next test, then fail this one.
+    kube.kubectl(
+        "delete",
+        "jobs,pods,services",
+        "-n",
+        NAMESPACE,
+        "-l",
+        f"airflow-torchrun/deployment={deployment}",
+        "--wait=false",
+        check=False,
+    )
+    pytest.fail(f"left behind after the test: objects {left}, rank processes {procs}")
+
+
+class Recorder:
+    """What the cluster said about one deployment's Jobs and Pods while a test ran: every distinct
+    Job condition and pod state seen, polled once a second (the objects are gone afterwards)."""
+
+    def __init__(self, deployment: str) -> None:
+        import threading
+
+        self.deployment = deployment
+        self.job_conditions: dict[str, list[dict[str, Any]]] = {}
+        self.pod_states: dict[str, list[dict[str, Any]]] = {}
+        self.nodes: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Recorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        selector = f"airflow-torchrun/deployment={self.deployment}"
+        while not self._stop.wait(1.0):
+            try:
+                items = kube.kubectl_json("get", "jobs,pods", "-n", NAMESPACE, "-l", selector, timeout=20)["items"]
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError):
+                continue
+            for obj in items:
+                name = obj["metadata"]["name"]
+                status = obj.get("status", {})
+                if obj["kind"] == "Job":
+                    for cond in status.get("conditions", []):
+                        seen = self.job_conditions.setdefault(name, [])
+                        if cond not in seen:
+                            seen.append(cond)
+                else:
+                    if obj["spec"].get("nodeName"):
+                        self.nodes[name] = obj["spec"]["nodeName"]
+                    snapshot = {
+                        "phase": status.get("phase"),
+                        "reason": status.get("reason"),
+                        "conditions": sorted(
+                            (c["type"], c["status"], c.get("reason")) for c in status.get("conditions", [])
+                        ),
+                        "containers": [c.get("state") for c in status.get("containerStatuses", [])],
+                    }
+                    seen = self.pod_states.setdefault(name, [])
+                    if snapshot not in seen:
+                        seen.append(snapshot)

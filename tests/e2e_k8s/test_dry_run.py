@@ -1,0 +1,112 @@
+"""Every object the Kubernetes backend renders is accepted by the real API server's dry run
+(``dryRun=All``: admission, defaulting, validation, immutable fields: what no schema can check),
+sent with the identity of the Airflow connection (so the documented Role allows creating them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.build import binary
+from cluster.layout import NAMESPACE, state
+
+from .conftest import Airflow
+
+VARIANTS = {
+    "plain": "",
+    "deadline": "execution_timeout=timedelta(minutes=30),",
+    "env": 'env={"NCCL_DEBUG": "WARN", "A_DOLLAR": "$HOME and $(NOT_EXPANDED)"},',
+}
+RUNTIMES = {
+    "cpu": {},
+    "queued": {"queue": "training"},
+    "placed": {
+        "node_selector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "example.com/dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "priority_class": "",
+        "labels": {"team": "ml"},
+        "annotations": {"example.com/owner": "ml"},
+        "writable_paths": ["/home/trainer/.cache"],
+        "ttl_seconds_after_finished": 600,
+    },
+}
+
+
+def dag_source(runtime: str, extra: str) -> str:
+    return f"""
+from datetime import timedelta
+import pendulum
+from airflow.sdk import DAG
+from airflow_torchrun import DistributedTrainingOperator
+
+with DAG("dry_run", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False):
+    DistributedTrainingOperator(
+        task_id="train", backend="kubernetes", runtime={runtime!r}, script="/opt/trainer/train.py",
+        script_args=["--epochs", "1"], num_nodes=2, nproc_per_node=1, track=False, {extra}
+    )
+"""
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("runtime", sorted(RUNTIMES))
+def test_the_api_server_accepts_what_we_render(airflow: Airflow, tmp_path: Path, runtime: str, variant: str) -> None:
+    base = yaml.safe_load(Path(airflow.env["AIRFLOW__TORCHRUN__RUNTIMES_FILE"]).read_text())["cpu"]
+    runtimes = {name: {**base, **extra} for name, extra in RUNTIMES.items()}
+    if not runtimes["placed"]["priority_class"]:
+        del runtimes["placed"]["priority_class"]
+    runtimes_file = tmp_path / "runtimes.yaml"
+    runtimes_file.write_text(yaml.safe_dump(runtimes))
+    dag = airflow.write_dag("dry_run", dag_source(runtime, VARIANTS[variant]))
+    env = {**airflow.env, "AIRFLOW__TORCHRUN__RUNTIMES_FILE": str(runtimes_file)}
+    rendered = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "airflow_torchrun.cli",
+            "render",
+            "--dag-file",
+            str(dag),
+            "--task-id",
+            "train",
+            "--namespace",
+            NAMESPACE,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
+    assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
+    checked = subprocess.run(
+        [
+            str(binary("kubectl")),
+            f"--kubeconfig={state().pki / 'airflow.kubeconfig'}",
+            "apply",
+            "--dry-run=server",
+            "-o",
+            "yaml",
+            "-f",
+            "-",
+        ],
+        input=rendered.stdout,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert checked.returncode == 0, f"the API server refused the rendered objects:\n{checked.stderr}"
+    out = [d for d in yaml.safe_load_all(checked.stdout) if d]
+    items = [i for d in out for i in (d["items"] if d["kind"] == "List" else [d])]
+    answered = {i["kind"]: i for i in items}
+    job = answered["Job"]
+    # What the server defaulted or would have refused to change later is what we sent.
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["suspend"] is (runtime == "queued")
+    assert job["spec"]["podFailurePolicy"]["rules"], job["spec"]
