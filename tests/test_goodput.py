@@ -211,6 +211,27 @@ def test_a_script_without_helpers_gets_the_coarse_categories() -> None:
     assert sum(ledger.categories.values()) == pytest.approx(ledger.wall)
 
 
+@pytest.mark.parametrize("started_loop", [True, False], ids=["killed-before-its-first-window", "killed-in-setup"])
+def test_a_launch_killed_before_its_first_window_keeps_the_ledger_fine(started_loop: bool) -> None:
+    """Failures every few seconds (bench/bench_interval.py) kill launches before they print a window:
+    that must not turn the whole try coarse (ETTR None) when the script uses the helpers."""
+    timeline, first, second = _failed_then_resumed()
+    early = [r for r in first if r.event == "rendezvous" or (started_loop and r.event == "start")]
+    a0 = account_launch(0, early, None)
+    assert not a0.fine and (a0.stepping_from == 5.0) is started_loop
+    a1 = account_launch(1, second, a0.max_step)
+    ledger = try_ledger(timeline, {0: a0, 1: a1}, try_number=1, now=99.0, started_at=-0.5)
+    assert not ledger.coarse and ledger.ettr is not None and ledger.categories[TRAINING] == 0
+    assert sum(ledger.categories.values()) == pytest.approx(ledger.wall)
+    c = ledger.categories
+    # launch 0: rendezvous at 4, then setup to the loop's start at 5 and lost work to its end at 14
+    # (or setup all the way when it never started its loop); launch 1 resumed from step 20 of nothing
+    # reported before: all 12 s of its steps are new.
+    assert c["setup"] == pytest.approx((1.0 if started_loop else 10.0) + 2.0)
+    assert c[LOST_WORK] == pytest.approx((9.0 if started_loop else 0.0) + 0.0)
+    assert c[PRODUCTIVE] == pytest.approx(6.0) and ledger.ettr == pytest.approx(6.0 / 36.5)
+
+
 def test_the_task_ledger_adds_the_gap_between_tries() -> None:
     one = TryLedger(1, 0.0, 10.0, {k: 0.0 for k in CATEGORIES} | {PRODUCTIVE: 6.0, RESTART_GAP: 4.0}, "failed")
     two = TryLedger(2, 12.0, 30.0, {k: 0.0 for k in CATEGORIES} | {PRODUCTIVE: 18.0}, "succeeded")

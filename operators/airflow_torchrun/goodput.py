@@ -13,7 +13,9 @@ so the categories sum to the wall time:
                     (storage, resume point, MLflow), spawning the agents, the interpreter and imports
 ``rendezvous``      first output to the process group ready (the launcher's ``rendezvous`` record)
 ``setup``           to the training loop's start: data, model, the checkpoint loaded (``ProgressLogger``'s
-                    ``start`` record, or the first window of steps)
+                    ``start`` record, or the first window of steps); all of a failed launch that died
+                    before its loop started, when the script uses the helpers (another launch printed
+                    windows or a ``start`` record)
 ``productive``      steps past the furthest step reached before, less the two below
 ``data_wait``       time the steps waited for data (``StepTimer``'s data phase)
 ``checkpoint_stall`` time ranks blocked in ``save_checkpoint``
@@ -22,8 +24,8 @@ so the categories sum to the wall time:
 ``restart_gap``     a failed group's teardown, the relaunch (within the try) or the retry (between tries)
 ``tail``            after the last step: the final save, uploads, the script's evaluation, the exit, the
                     operator's finish (final checkpoint, MLflow, the asset event)
-``training``        only for a launch whose ranks printed no records (a script that uses no helper): its
-                    time from first output (or rendezvous) to its end, not told apart further
+``training``        only for a launch whose ranks printed no window of steps (a script that uses no
+                    helper): its time from first output (or rendezvous) to its end, not told apart further
 =================== ==========================================================================
 
 ETTR (effective training time ratio) = ``productive / wall``; ``None`` when some launch is coarse
@@ -180,7 +182,10 @@ def account_launch(launch: int, records: Iterable[ProgressRecord], reached_befor
             account.losses[rank] = {s: kept[s] for s in latest}
     windows_of = {rank: [r for r in rs if r.window] for rank, rs in by_rank.items()}
     reference = min((rank for rank, ws in windows_of.items() if ws), default=None)
-    if reference is None:
+    if reference is None:  # no window of steps: at most the loop's start (a launch killed before its first window)
+        starts = sorted((r for rs in by_rank.values() for r in rs if r.event == EVENT_START), key=lambda r: r.rank)
+        if starts:
+            account.stepping_from, account.start_step = starts[0].time, starts[0].step
         return account
     own = sorted(by_rank[reference], key=lambda r: r.time)
     starts = [r for r in own if r.event == EVENT_START]
@@ -322,6 +327,9 @@ def try_ledger(
     cursor = _Cursor(begin, categories)
     launches = timeline.launches()
     coarse, lost_steps, outcome = False, 0, "running"
+    # The script uses the helpers when some launch of the try printed a window or the loop's start: a
+    # launch that printed neither then died before its loop, not in steps the ledger cannot see.
+    helped = any(a.fine or a.stepping_from is not None for a in accounts.values())
     for index, launch in enumerate(launches):
         stop = timeline.first(Mark.ENDED, launch)
         limit = stop.at if stop is not None else end
@@ -349,6 +357,13 @@ def try_ledger(
                 categories[key] += span * share
             cursor.to(TAIL if succeeded else LOST_WORK, limit, limit)
             lost_steps += account.lost_steps
+        elif stop is not None and not succeeded and helped:
+            # A failed launch with no window of steps (killed in its setup, or before its first window):
+            # setup until its loop started, and whatever its loop computed was never reported: lost.
+            cursor.to(RENDEZVOUS, account.rendezvous_at if account is not None else None, limit)
+            loop = account.stepping_from if account is not None else None
+            cursor.to(SETUP, limit if loop is None else loop, limit)
+            cursor.to(LOST_WORK, limit, limit)
         else:
             coarse = True
             cursor.to(RENDEZVOUS, account.rendezvous_at if account is not None else None, limit)
