@@ -2,7 +2,7 @@
 
 A row compares our number with an anchor measured in the same run (or a stated target):
 ``ratio`` is always ``ours / anchor_value``; ``unit`` tells which direction is better
-(``s``: lower is better, ``MB/s``: higher is better). ``ours`` and ``anchor_value`` are medians
+(``s``: lower is better; ``MB/s`` and ``ETTR``: higher is better). ``ours`` and ``anchor_value`` are medians
 when a benchmark gives :class:`Samples`; the row then also carries how many runs there were, the
 min and max of each side and how many of the runs succeeded (a kill recovered, say). A side with
 no successful run has the value ``None`` and a ``note`` saying why: a failed anchor is reported,

@@ -54,11 +54,13 @@ class Bench:
 
 # Default repeats sized so that a whole `make bench` stays near 20 minutes on 2 cores shared with
 # other jobs (a recovery repeat is one kill of each of 5 launchers, about 3.5 minutes; Ray is the
-# slowest at about a minute a run). More kills: `bench/bench_recovery.py --repeats 12`.
+# slowest at about a minute a run; an interval repeat is one run of each of 4 policies, about 5 minutes).
+# More kills: `bench/bench_recovery.py --repeats 12`.
 BENCHES = (
     Bench("bench_group.py", ("--repeats", "3"), ("--repeats", "1", "--max-pairs", "1", "--steps", "50")),
     Bench("bench_recovery.py", ("--repeats", "3"), ("--repeats", "1", "--standalone-repeats", "0")),
     Bench("bench_checkpoint.py", ("--repeat", "3"), ("--size-mb", "8", "--repeat", "1", "--epochs", "2")),
+    Bench("bench_interval.py", ("--repeats", "2"), ("--repeats", "1", "--epochs", "4", "--fixed", "5")),
 )
 
 
@@ -224,6 +226,13 @@ GOALS = (
         lambda x: x <= 0.5,
     ),
     Goal("checkpoint write/read >= 0.9 of raw", "checkpoint ", "raw copy", higher_ratio, lambda x: x >= 0.9),
+    Goal(
+        "should_checkpoint's goodput >= a fixed interval's, same failures (issue 24)",
+        "goodput (ETTR) under",
+        "every ",
+        higher_ratio,
+        lambda x: x >= 1.0,
+    ),
 )
 
 
@@ -313,7 +322,8 @@ def markdown(report: dict[str, Any], chart: str | None = None) -> str:
         "",
         "Every row: ours and its anchor measured in the same run on the same job, interleaved (one of each "
         f"per repeat); medians, with min-max. Repeats per row: {', '.join(map(str, repeats)) or '-'} "
-        "(the `repeats` column). `ratio` is ours / anchor; in `s` lower is better, in `MB/s` higher is better. "
+        "(the `repeats` column). `ratio` is ours / anchor; in `s` lower is better, in `MB/s` and `ETTR` higher "
+        "is better. "
         "`success`: runs (kills) that ended as they should / runs.",
     ]
     if machine:
@@ -371,7 +381,7 @@ def chart(report: dict[str, Any], path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlim(min([*ratios, 1.0]) * 0.8, max([*ratios, 1.0]) * 1.6)
     ax.set_yticks(y, labels, fontsize=6.5)
-    ax.set_xlabel("ours / anchor (s: lower is better; MB/s: higher is better); green = ours better, grey = no anchor")
+    ax.set_xlabel("ours / anchor (s: lower is better; MB/s, ETTR: higher); green = ours better, grey = no anchor")
     ax.set_title(f"airflow-torchrun benchmarks, {report['date']}" + (" (quick)" if report["quick"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -232,3 +232,78 @@ def test_make_bench_runs_the_runner():
     makefile = (BENCH.parent / "Makefile").read_text()
     assert "bench/run.py" in makefile and (BENCH / "run.py").is_file()
     assert "ray" not in (BENCH.parent / "pyproject.toml").read_text().lower(), "Ray is no dependency"
+
+
+# -- bench_interval: the failure times, the injector (on real processes) and its rows -----------------
+def test_the_interval_bench_injects_the_same_failure_times_for_every_policy():
+    import bench_interval
+
+    times = bench_interval.failure_times(7, 25.0, horizon=900.0)
+    assert times == bench_interval.failure_times(7, 25.0, horizon=900.0)  # seeded: every policy alike
+    assert times != bench_interval.failure_times(8, 25.0, horizon=900.0)
+    assert times == sorted(times) and times[0] > 0 and times[-1] <= 900.0
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert 15.0 < sum(gaps) / len(gaps) < 40.0  # exponential of mean 25 s (about 36 draws)
+
+
+def _fake_process(tag: str, env: dict[str, str]):
+    import os
+    import subprocess
+
+    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    full.update({"BENCH_INTERVAL_RUN": tag, **env})
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=full)
+
+
+def test_the_interval_bench_kills_rank_1_of_its_run_only_never_its_agent():
+    import time
+
+    import bench_interval
+
+    rank1 = _fake_process("run-a", {"RANK": "1", "LOCAL_RANK": "0"})
+    rank0 = _fake_process("run-a", {"RANK": "0", "LOCAL_RANK": "0"})
+    agent = _fake_process("run-a", {"RANK": "1"})  # no LOCAL_RANK: torchrun sets it for workers only
+    other = _fake_process("run-b", {"RANK": "1", "LOCAL_RANK": "0"})
+    try:
+        deadline = time.monotonic() + 10
+        while bench_interval.rank_pid("run-a", "1") != rank1.pid and time.monotonic() < deadline:
+            time.sleep(0.05)  # until its environment is readable
+        assert bench_interval.rank_pid("run-a", "1") == rank1.pid
+        injector = bench_interval.Injector("run-a", [0.1, 0.6])
+        injector.start()
+        assert rank1.wait(timeout=10) == -9
+        time.sleep(1.0)
+        injector.stop()
+        # The second failure time found no rank 1 (being relaunched): skipped, nothing else killed.
+        assert (injector.kills, injector.skipped) == (1, 1)
+        assert all(p.poll() is None for p in (rank0, agent, other))
+    finally:
+        for p in (rank1, rank0, agent, other):
+            p.kill()
+            p.wait()
+
+
+def test_the_interval_bench_compares_each_should_checkpoint_policy_with_each_fixed_interval():
+    import bench_interval
+
+    run_ = bench_interval.Run
+    runs = {
+        "auto, mtbf": [run_("a", True, ettr=0.5, wall_s=60.0, kills=2), run_("a", False, kills=3)],
+        "auto, observed": [run_("o", True, ettr=0.45, wall_s=64.0, kills=2), run_("o", True, ettr=0.4, wall_s=70.0)],
+        "every 5 steps": [run_("f", True, ettr=0.25, wall_s=90.0, kills=4), run_("f", True, ettr=0.3, wall_s=80.0)],
+    }
+    report = bench_interval.report_rows(runs, 25.0, repeats=2)
+    assert rows.check(report) == report
+    ettr = [r for r in report if r["unit"] == "ETTR"]
+    assert [(r["measure"].split(", ")[-1], r["anchor"]) for r in ettr] == [
+        ("should_checkpoint (mtbf)", "every 5 steps"),
+        ("should_checkpoint (observed)", "every 5 steps"),
+    ]
+    mtbf = ettr[0]
+    assert (mtbf["ours"], mtbf["anchor_value"], mtbf["ours_success"]) == (0.5, 0.275, "1/2")
+    assert mtbf["ratio"] == pytest.approx(0.5 / 0.275, abs=1e-3) and "5 kills in 2 runs" in mtbf["note"]
+    # The report's goal reads these rows (ETTR: higher is better).
+    lines = run.goal_lines(report)
+    goal = [line for line in lines if line.startswith("| should_checkpoint's goodput")]
+    assert len(goal) == 2 and all("| yes" in line for line in goal), goal
+    assert run.better(mtbf) and not run.better({**mtbf, "ratio": 0.9})  # the chart colours it by this
