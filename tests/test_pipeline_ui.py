@@ -450,6 +450,8 @@ def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Stan
     assert "@torchrun-progress" not in first["failure"], first["failure"]
     latest = airflow.ok("GET", api)
     assert latest["ti_state"] == "success" and latest["progress"]["reached"] == latest["progress"]["total_steps"]
+    audit = latest["goodput"]["resume_audit"]  # try 2 resumed from step 20 and recomputed 21-29
+    assert (audit["status"], audit["resumed_step"], audit["steps"]) == ("exact", 20, [21, 29]), audit
     assert {s["rank"] for s in latest["series"]} == {0, 1} and all(len(s["points"]) >= 2 for s in latest["series"])
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -473,6 +475,10 @@ def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Stan
             bar = frame.locator("#progress-bar > div")
             expect(bar).to_have_css("background-color", "rgb(56, 161, 105)")  # green at 100%: it was red
             expect(bar).to_have_attribute("style", "width:100.0%")
+            audit_line = frame.locator("#resume-audit")
+            expect(audit_line).to_have_attribute("data-status", "exact")
+            expect(audit_line).to_contain_text("from step 20")
+            expect(audit_line).to_contain_text("steps 21-29")
             page.screenshot(path=str(shots[1]), full_page=True)
 
             # A finished run's small loss: the same page on a document whose loss is 3.1e-05.

@@ -167,3 +167,41 @@ def test_the_view_draws_the_goodput_ledger_one_bar_per_try_and_only_known_catego
     assert view["task"]["ettr"] is None  # not a share
     assert "version" not in view["categories"] and view["categories"][0] == "admission"
     assert _goodput_view({"version": 1}) is None and _goodput_view("x") is None
+    assert view["resume_audit"] is None  # a fresh start: nothing audited
+
+
+def test_the_view_tells_the_resume_audit_with_its_first_differing_step() -> None:
+    from airflow_torchrun.ui.api import _goodput_view
+
+    def ledger(audit: object) -> dict[str, object]:
+        one = {"try": 2, "wall_s": 10.0, "ettr": 0.5, "outcome": "succeeded", "categories": {"productive": 5.0}}
+        return {"version": 1, "try": one, "tries": [one], "resume_audit": audit}
+
+    diverged = {
+        "status": "diverged",
+        "resumed_step": 20,
+        "compared": 9,
+        "steps": [21, 29],
+        "ranks": [0, 1],
+        "max_relative": 0.5,
+        "tolerance": 1e-3,
+        "first_difference": {"step": 21, "rank": 0, "before": 2.31, "after": 2.0},
+        "first_divergence": {"step": 21, "rank": 0, "before": 2.31, "after": 2.0},
+    }
+    view = _goodput_view(ledger(diverged))
+    assert view is not None and view["resume_audit"] == {
+        "status": "diverged",
+        "resumed_step": 20,
+        "compared": 9,
+        "steps": [21, 29],
+        "max_relative": 0.5,
+        "tolerance": 1e-3,
+        "first_difference": {"step": 21, "rank": 0, "before": 2.31, "after": 2.0},
+        "first_divergence": {"step": 21, "rank": 0, "before": 2.31, "after": 2.0},
+    }
+    # Whoever may write XCom writes this too: an unknown status is no audit, and only numbers pass.
+    assert _goodput_view(ledger({**diverged, "status": "<b>exact</b>"}))["resume_audit"] is None  # type: ignore[index]
+    odd = {**diverged, "steps": ["<i>", 29], "first_divergence": {"step": 21, "rank": "0", "before": "x", "after": 2.0}}
+    shown = _goodput_view(ledger(odd))["resume_audit"]  # type: ignore[index]
+    assert shown["steps"] is None
+    assert shown["first_divergence"] == {"step": 21, "rank": None, "before": None, "after": 2.0}

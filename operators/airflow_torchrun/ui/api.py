@@ -285,7 +285,45 @@ def _goodput_view(value: object) -> dict[str, Any] | None:
         shown = [this]
     if not shown:
         return None
-    return {"categories": list(CATEGORIES), "tries": shown, "task": account(value.get("task"))}
+    return {
+        "categories": list(CATEGORIES),
+        "tries": shown,
+        "task": account(value.get("task")),
+        "resume_audit": _audit_view(value.get("resume_audit")),
+    }
+
+
+DIFF_KEYS = ("step", "rank", "before", "after")
+
+
+def _audit_view(value: object) -> dict[str, Any] | None:
+    """The resume audit (:mod:`airflow_torchrun.audit`) as the view tells it: its status, the steps
+    compared and the first differing step. Only a known status and numbers pass."""
+    from airflow_torchrun.audit import AuditStatus
+
+    if not isinstance(value, dict) or value.get("status") not in {s.value for s in AuditStatus}:
+        return None
+
+    def whole(raw: object) -> int | None:
+        return raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+
+    def step_diff(raw: object) -> dict[str, Any] | None:
+        if not isinstance(raw, dict) or whole(raw.get("step")) is None:
+            return None
+        return {k: (whole(raw.get(k)) if k in ("step", "rank") else _number(raw.get(k))) for k in DIFF_KEYS}
+
+    steps = value.get("steps")
+    first, last = (whole(steps[0]), whole(steps[1])) if isinstance(steps, list) and len(steps) == 2 else (None, None)
+    return {
+        "status": value["status"],
+        "resumed_step": whole(value.get("resumed_step")),
+        "compared": whole(value.get("compared")),
+        "steps": [first, last] if first is not None and last is not None else None,
+        "max_relative": _number(value.get("max_relative")),
+        "tolerance": _number(value.get("tolerance")),
+        "first_difference": step_diff(value.get("first_difference")),
+        "first_divergence": step_diff(value.get("first_divergence")),
+    }
 
 
 def _launches(handle: GroupHandle, identity: dict[str, Any], counts: Any) -> list[dict[str, Any]]:
