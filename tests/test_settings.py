@@ -18,7 +18,7 @@ def test_spec_and_settings_problems_come_in_one_error(tiny_script):
             script=str(tiny_script),
             num_nodes=0,  # spec
             env={"TRAIN_RESUME_FROM": "s3://x/y"},  # spec (contract name)
-            keep_last=0,  # checkpoint settings
+            keep_last=-1,  # checkpoint settings (0 keeps every one)
             checkpoint_uri="s3://",  # checkpoint settings
             poll_interval=-1,  # run settings
             progress_timeout=0,  # run settings
@@ -28,7 +28,7 @@ def test_spec_and_settings_problems_come_in_one_error(tiny_script):
     for expected in (
         "num_nodes must be at least 1",
         "TRAIN_RESUME_FROM",
-        "keep_last must be a whole number >= 1",
+        "keep_last must be a whole number >= 0 (0 keeps every committed checkpoint)",
         "checkpoint_uri:",
         "poll_interval must be a positive number",
         "progress_timeout must be a positive number",
@@ -55,3 +55,14 @@ def test_evaluation_has_only_the_arguments_it_means(tiny_script):
         evaluate = EvaluateModelOperator(task_id="e", script=str(tiny_script), checkpoint="file:///c/step-00000001")
     assert not isinstance(evaluate, DistributedTrainingOperator)
     assert (evaluate.num_nodes, evaluate.nproc_per_node) == (1, 1)
+
+
+def test_keep_last_0_keeps_every_checkpoint_in_the_operator_as_in_the_worker(tiny_script):
+    """One meaning of keep_last=0 (the worker's save_checkpoint: keep all) on both sides."""
+    from airflow.sdk import DAG
+
+    from airflow_torchrun import DistributedTrainingOperator
+
+    with DAG("keep_all", schedule=None):
+        task = DistributedTrainingOperator(task_id="train", script=str(tiny_script), keep_last=0)
+    assert task.training.keep_last == 0

@@ -64,6 +64,29 @@ def test_missing_script_is_named_with_its_resolved_path(tmp_path):
     )
 
 
+def test_what_the_parse_time_checks_refuse_rendered_values_may_be(tmp_path, tiny_script):
+    """A rendered template is text: '2' and numbers in env are taken then (the DAG's own literals are not)."""
+    spec = GroupSpec.create(script=str(tiny_script), num_nodes="2", nproc_per_node="1", env={"A": 1})
+    assert (spec.num_nodes, spec.env["A"]) == (2, "1")
+    with pytest.raises(InvalidSpecError, match="num_nodes='2' is text"):
+        GroupSpec.create(script=str(tiny_script), num_nodes="2", allow_templates=True)
+    templated = GroupSpec.create(script=str(tiny_script), num_nodes="{{ params.n }}", allow_templates=True)
+    assert templated.num_nodes == 1  # checked again once rendered
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["http://mlflow:5000", "https://u@mlflow", "sqlite:////tmp/m.db", "postgresql+psycopg2://db/m", "/srv/mlruns",
+     "./mlruns", "file:///srv/mlruns", "databricks", "databricks://profile", "{{ var.value.uri }}"],
+)  # fmt: skip
+def test_every_store_mlflow_tracks_to_passes_the_parse_time_check(uri):
+    from airflow_torchrun.settings import tracking_uri_problems
+
+    assert tracking_uri_problems(uri) == []
+    assert tracking_uri_problems("s3://bucket/x") and tracking_uri_problems("")  # not a tracking store
+    assert "secret" not in tracking_uri_problems("ftp://me:secret@host")[0]  # no credentials in the message
+
+
 def test_templated_values_wait_for_rendering(tmp_path):
     spec = GroupSpec.create(script="{{ params.script }}", script_args=["{{ ds }}"], allow_templates=True)
     assert spec.script == "{{ params.script }}"
@@ -91,6 +114,14 @@ def test_spec_is_frozen(tmp_path):
         ("backend='nomad'", "backend 'nomad' is unknown"),
         ("rdzv_port=99999", "rdzv_port must be a TCP port between 1 and 65535"),
         ("script='does/not/exist.py'", "script 'does/not/exist.py' does not exist"),
+        # Issue 23's probe: each was accepted at parse time and failed (or misbehaved) later.
+        ("resume='latest'", "'latest' is spelt 'auto'"),
+        ("env={'A': 1}", "env['A'] is 1 (int): environment values are text; write '1'"),
+        ("nproc_per_node='2'", "nproc_per_node='2' is text; write nproc_per_node=2"),
+        ("script_args=['--epochs', None]", "script_args[1] is None (NoneType)"),
+        ("backend='kubernetes', checkpoint_uri='s3://bucket/c', namespace='Bad_NS'", "e.g. 'bad-ns'"),
+        ("mlflow_tracking_uri='ftp://x'", "has the scheme 'ftp', which MLflow cannot track to"),
+        ("num_nodes=10**6", "the local backend starts every rank on the Airflow worker's machine (at most 256)"),
     ],
 )
 def test_bad_spec_is_a_dag_import_error(args, expected, airflow_db, tmp_path, tiny_script):

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from airflow_torchrun.backends import backend_class, backend_names
+from airflow_torchrun.backends.base import BackendOptions
 from airflow_torchrun.errors import InvalidSpecError, StorageError
 from airflow_torchrun.spec import (
     DEFAULT_RDZV_TIMEOUT,
@@ -23,7 +24,7 @@ from airflow_torchrun.spec import (
     GroupSpec,
     is_templated,
 )
-from airflow_torchrun.storage.lineage import RESUME_AUTO, RESUME_NEVER
+from airflow_torchrun.storage.lineage import RESUME_AUTO, RESUME_NEVER, resume_problem
 from airflow_torchrun.storage.uri import parse_uri
 from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
 
@@ -150,8 +151,8 @@ def run_problems(w: RunSettings) -> list[str]:
 def checkpoint_problems(c: CheckpointSettings) -> list[str]:
     problems: list[str] = []
     k = c.keep_last
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        problems.append(f"keep_last must be a whole number >= 1, got {k!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        problems.append(f"keep_last must be a whole number >= 0 (0 keeps every committed checkpoint), got {k!r}")
     for name in ("checkpoint_uri", "resume"):
         value = getattr(c, name)
         if value is None or is_templated(value) or value in (RESUME_AUTO, RESUME_NEVER):
@@ -159,11 +160,41 @@ def checkpoint_problems(c: CheckpointSettings) -> list[str]:
         if not isinstance(value, str):
             problems.append(f"{name} must be a string, got {value!r}")
             continue
+        if name == "resume" and (problem := resume_problem(value)):
+            problems.append(problem)
+            continue
         try:
             parse_uri(value)
         except StorageError as exc:
             problems.append(f"{name}: {exc}")
     return problems
+
+
+# What MLflow's client can track to: a tracking server, a SQLAlchemy database, a local path, Databricks.
+TRACKING_SCHEMES = frozenset(
+    {"http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc"}
+)
+
+
+def tracking_uri_problems(uri: object, name: str = "mlflow_tracking_uri") -> list[str]:
+    """What MLflow could not track to, at parse time (a template waits for rendering)."""
+    from airflow_torchrun.redaction import without_credentials
+
+    if uri is None or is_templated(uri):
+        return []
+    if not isinstance(uri, str) or not uri.strip():
+        return [f"{name} must be an MLflow tracking URI (text), got {uri!r}"]
+    value = uri.strip()
+    if value.startswith(("/", ".")) or ":" not in value or value in ("databricks", "databricks-uc"):
+        return []  # a local directory (MLflow's file store), or Databricks' default profile
+    scheme = value.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in TRACKING_SCHEMES:
+        return []
+    return [
+        f"{name} {without_credentials(value)!r} has the scheme {scheme!r}, which MLflow cannot track to; use "
+        "http(s)://host:5000 (a tracking server), sqlite:////path/mlflow.db, postgresql://, mysql:// or mssql:// "
+        "(a database), file:///path, or databricks"
+    ]
 
 
 def validate_task(
@@ -175,10 +206,12 @@ def validate_task(
     checkpoint: CheckpointSettings | None = None,
     tracking_uri: str | None = None,
     extra: list[str] | None = None,
+    options: BackendOptions | None = None,
 ) -> GroupSpec | None:
     """The spec, or one :class:`InvalidSpecError` listing every problem of spec and settings.
 
-    ``tracking_uri``: the MLflow store the ranks will log into, when the task tracks.
+    ``tracking_uri``: the MLflow store the ranks will log into, when the task tracks; ``options``:
+    what the task tells its backend (its namespace, say), checked by that backend.
 
     Returns ``None`` when only the settings were checked because the spec still holds templates
     that ``make_spec`` could not validate (never: it raises with every problem instead).
@@ -194,12 +227,14 @@ def validate_task(
     problems += run_problems(run)
     if checkpoint is not None:
         problems += checkpoint_problems(checkpoint)
+    problems += tracking_uri_problems(tracking_uri)
     if not is_templated(backend) and backend in backend_names():
         uri = checkpoint.checkpoint_uri if checkpoint is not None else None
         problems += backend_class(backend).task_problems(
             checkpoint_uri=uri if isinstance(uri, str) and not is_templated(uri) else None,
             default_checkpoint_base=checkpoint.default_base if checkpoint is not None and uri is None else None,
             tracking_uri=tracking_uri,
+            options=options,
         )
     if problems:
         raise InvalidSpecError(problems, where)

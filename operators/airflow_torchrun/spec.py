@@ -94,13 +94,22 @@ class GroupSpec:
         """Validate raw (possibly user-typed) values and return a frozen spec.
 
         With ``allow_templates`` (DAG parse time) values that still hold Jinja markup are not
-        checked; the operator validates again once they are rendered.
+        checked; the operator validates again once they are rendered. At parse time a value is
+        what the DAG author wrote, so it must have its type (``2``, not ``'2'``; ``env`` values
+        text); rendered values are text, and numbers in it are taken.
         """
         problems: list[str] = []
 
         def positive_int(name: str, value: object, hint: str) -> int:
             if allow_templates and is_templated(value):
                 return 1  # checked again once rendered
+            if allow_templates and isinstance(value, str):
+                problems.append(
+                    f"{name}={value!r} is text; write {name}={value.strip()} (a whole number)"
+                    if value.strip().isdigit()
+                    else f"{name} must be a whole number, got {value!r} (str)"
+                )
+                return 1
             if isinstance(value, str) and value.strip().isdigit():
                 value = int(value)  # a rendered template ("{{ params.num_nodes }}" -> "2")
             if isinstance(value, bool) or not isinstance(value, int):
@@ -148,6 +157,12 @@ class GroupSpec:
             problems.append(f"script_args must be a list of strings, got {script_args!r}")
             args: tuple[str, ...] = ()
         else:
+            for i, a in enumerate(script_args):
+                if isinstance(a, bool) or not (isinstance(a, str | int | float) or is_templated(a)):
+                    problems.append(
+                        f"script_args[{i}] is {a!r} ({type(a).__name__}): give each argument as text "
+                        "(e.g. '--epochs', '3'), a number, or a template"
+                    )
             args = tuple(str(a) for a in script_args)
 
         env_map: dict[str, str] = {}
@@ -171,6 +186,12 @@ class GroupSpec:
                     # the operator checked (storage, the resume point) and recorded.
                     problems.append(
                         f"env: {key} is part of the rank contract the operator sets for every rank; {CONTRACT_ENV[key]}"
+                    )
+                    continue
+                if allow_templates and not isinstance(value, str) and not is_templated(value):
+                    problems.append(
+                        f"env[{key!r}] is {value!r} ({type(value).__name__}): environment values are text; "
+                        f"write {str(value)!r}"
                     )
                     continue
                 env_map[key] = str(value)

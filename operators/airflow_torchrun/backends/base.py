@@ -139,11 +139,16 @@ class Backend(Protocol[H]):
 
     @classmethod
     def task_problems(
-        cls, *, checkpoint_uri: str | None, default_checkpoint_base: str | None, tracking_uri: str | None
+        cls,
+        *,
+        checkpoint_uri: str | None,
+        default_checkpoint_base: str | None,
+        tracking_uri: str | None,
+        options: BackendOptions | None = None,
     ) -> list[str]:
-        """What of a task's storage and tracking this backend's ranks could not use (a local path
-        that pods on other machines cannot share). ``checkpoint_uri``: the task's, when known;
-        ``default_checkpoint_base``: the default root when the task gives none."""
+        """What of a task's storage, tracking and options this backend could not use (a local path
+        that pods on other machines cannot share, a namespace Kubernetes refuses). ``checkpoint_uri``:
+        the task's, when known; ``default_checkpoint_base``: the default root when the task gives none."""
         return []
 
     @classmethod

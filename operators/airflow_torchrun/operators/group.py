@@ -210,6 +210,7 @@ class GroupOperator(BaseOperator):
             checkpoint=self.checkpoint_settings(),
             tracking_uri=self.tracking_uri(),
             extra=self._problems,
+            options=self.backend_options,
         )
 
     def group_spec(self) -> GroupSpec:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_torchrun.compat import AirflowFailException, AirflowSkipException, BaseOperator
 from airflow_torchrun.errors import InvalidSpecError
 from airflow_torchrun.links import ModelVersionLink
+from airflow_torchrun.settings import tracking_uri_problems
 from airflow_torchrun.spec import is_templated
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ class RegisterModelOperator(BaseOperator):
             problems.append(f"run_id must be an MLflow run id string (or a template / XComArg), got {run_id!r}")
         if candidate_alias == champion_alias:
             problems.append(f"candidate_alias and champion_alias must differ, both are {candidate_alias!r}")
+        problems += tracking_uri_problems(tracking_uri, "tracking_uri")
         if problems:
             raise InvalidSpecError(problems, self._where)
         if not self._has_template(self.gate):

@@ -89,8 +89,8 @@ class DistributedTrainingOperator(GroupOperator):
     :param trust_foreign_sharded: Allow the ranks to load a sharded (``torch.distributed.checkpoint``)
         checkpoint of another lineage (``TRAIN_CHECKPOINT_TRUST_SHARDED``): its metadata is
         unpickled, so only for stores no one untrusted can write to. Off by default.
-    :param keep_last: Committed checkpoints to keep (``TRAIN_CHECKPOINT_KEEP_LAST``); the one
-        resumed from is never deleted.
+    :param keep_last: Committed checkpoints to keep (``TRAIN_CHECKPOINT_KEEP_LAST``), default 3;
+        ``0`` keeps every one (as ``save_checkpoint(keep_last=0)``). The one resumed from is never deleted.
     :param aws_conn_id: Airflow connection holding S3 credentials and, in its extra,
         ``endpoint_url``/``region_name``. Default: the connection ``checkpoint_uri`` names
         (``s3://<conn_id>@bucket/prefix``), else the standard AWS chain of the worker.

@@ -229,6 +229,20 @@ def final_checkpoint(store: CheckpointStore, lineage: Lineage) -> CheckpointRef 
     return CheckpointRef(store.step_uri(best[1]), best[1]) if best else None
 
 
+def resume_problem(resume: object) -> str | None:
+    """What is wrong with a ``resume`` value (``None``: nothing), before any storage is touched."""
+    if not isinstance(resume, str) or not resume.strip():
+        return f"resume must be 'auto', 'never' or a checkpoint URI, got {resume!r}"
+    value = resume.strip()
+    if value in (RESUME_AUTO, RESUME_NEVER) or "://" in value or os.path.isabs(value):
+        return None
+    hint = " ('latest' is spelt 'auto': the latest committed checkpoint that verifies)" if value == "latest" else ""
+    return (
+        f"resume must be 'auto', 'never' or a checkpoint URI (s3://..., file:///... or an absolute path), "
+        f"got {resume!r}{hint}"
+    )
+
+
 def resolve_resume(
     checkpoint_uri: str,
     resume: str,
@@ -246,18 +260,14 @@ def resolve_resume(
     :param allow_outside: a ``resume`` URI outside ``checkpoint_uri`` is refused (permanently)
         unless this is True: whoever can write to the store it names can run code in every rank.
     """
-    if not isinstance(resume, str) or not resume.strip():
-        raise StorageError(f"resume must be 'auto', 'never' or a checkpoint URI, got {resume!r}")
+    problem = resume_problem(resume)
+    if problem:
+        raise StorageError(problem)
     resume = resume.strip()
     if resume == RESUME_NEVER:
         return None
     if resume == RESUME_AUTO:
         return CheckpointStore(checkpoint_uri, storage_options).latest()
-    if "://" not in resume and not os.path.isabs(resume):
-        raise StorageError(
-            f"resume must be 'auto', 'never' or a checkpoint URI (s3://..., file:///... or an absolute path), "
-            f"got {resume!r}"
-        )
     location = parse_uri(resume)
     if not allow_outside and not is_within(location.uri, checkpoint_uri):
         raise StorageError(

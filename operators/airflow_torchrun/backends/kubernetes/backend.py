@@ -257,11 +257,16 @@ class KubernetesBackend(Backend[KubernetesHandle]):
 
     @classmethod
     def task_problems(
-        cls, *, checkpoint_uri: str | None, default_checkpoint_base: str | None, tracking_uri: str | None
+        cls,
+        *,
+        checkpoint_uri: str | None,
+        default_checkpoint_base: str | None,
+        tracking_uri: str | None,
+        options: BackendOptions | None = None,
     ) -> list[str]:
         return checks.task_problems(
             checkpoint_uri=checkpoint_uri, default_checkpoint_base=default_checkpoint_base, tracking_uri=tracking_uri
-        )
+        ) + checks.namespace_problems(options.namespace if options is not None else None)
 
     def rank_storage_env(
         self, options: Mapping[str, Any], aws_conn_id: str | None, log: logging.Logger

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def local_path(uri: str) -> bool:
     """A ``file:`` URI or a plain path: storage on one machine's disk."""
@@ -55,3 +57,24 @@ def task_problems(
             "the pods reach, or track=False"
         )
     return problems
+
+
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def namespace_problems(namespace: object) -> list[str]:
+    """A namespace is an RFC 1123 label (what the API server accepts); a template waits for rendering."""
+    from airflow_torchrun.spec import is_templated
+
+    if namespace is None or is_templated(namespace):
+        return []
+    if isinstance(namespace, str) and len(namespace) <= 63 and _NAMESPACE.match(namespace):
+        return []
+    suggestion = ""
+    if isinstance(namespace, str) and namespace.strip():
+        fixed = re.sub(r"[^a-z0-9-]+", "-", namespace.strip().lower()).strip("-")[:63].strip("-")
+        suggestion = f", e.g. {fixed!r}" if fixed else ""
+    return [
+        f"namespace {namespace!r} is not a Kubernetes namespace name: at most 63 lower-case letters, digits "
+        f"and '-', starting and ending with a letter or digit{suggestion}"
+    ]

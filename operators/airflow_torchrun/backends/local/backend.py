@@ -61,6 +61,8 @@ CREDENTIALS_DIR = "credentials"
 STAGED_PREFIX = "staged-"
 GROUP_PROFILE = "aws-profile.ini"
 STAGED_MAX_AGE_S = 600.0
+# Every rank of a local group runs on one machine: more than this is a typo or a fork bomb.
+LOCAL_MAX_RANKS = 256
 # What a failure report reads of each node's log: its end, where the failure is (a log of a long run
 # can be gigabytes, and the report may be asked for by the API server's view).
 EXPLAIN_READ_BYTES = 8 << 20
@@ -141,12 +143,19 @@ class LocalBackend(Backend[LocalHandle]):
 
     @classmethod
     def spec_problems(cls, spec: GroupSpec) -> list[str]:
+        problems = []
+        if spec.world_size > LOCAL_MAX_RANKS:
+            problems.append(
+                f"num_nodes={spec.num_nodes} x nproc_per_node={spec.nproc_per_node} = {spec.world_size} ranks, but the "
+                f"local backend starts every rank on the Airflow worker's machine (at most {LOCAL_MAX_RANKS}); lower "
+                "them, or run the group on a cluster with backend='kubernetes'"
+            )
         if spec.script and not Path(spec.script).is_file():
-            return [
+            problems.append(
                 f"script {spec.script!r} does not exist (resolved to {Path(spec.script).resolve()}); "
                 "give an absolute path, or a path relative to the directory the worker runs in"
-            ]
-        return []
+            )
+        return problems
 
     # -- storage ------------------------------------------------------------------------------
     def rank_storage_env(

@@ -69,7 +69,7 @@ def keep_last_of(value: int | None) -> int:
                 f"{ENV_KEEP_LAST}={raw!r} is not a whole number; set it to 0 (keep all) or more"
             ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise StorageError(f"keep_last must be a whole number >= 0 (0 keeps all), got {value!r}")
+        raise StorageError(f"keep_last must be a whole number >= 0 (0 keeps every committed checkpoint), got {value!r}")
     return value
 
 

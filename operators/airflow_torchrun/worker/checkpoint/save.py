@@ -96,7 +96,8 @@ def save_checkpoint(
     :param uri: the checkpoint root; default ``TRAIN_CHECKPOINT_URI``.
     :param sharded: force (True) or forbid (False) ``torch.distributed.checkpoint``; by default used
         when ``state`` holds DTensor or ShardedTensor values.
-    :param keep_last: committed checkpoints to keep (0: all); default ``TRAIN_CHECKPOINT_KEEP_LAST`` or 3.
+    :param keep_last: committed checkpoints to keep (0: every one, as the operator's ``keep_last=0``);
+        default ``TRAIN_CHECKPOINT_KEEP_LAST`` (the operator's ``keep_last``) or 3.
     :param blocking: with False, the state is copied to CPU now and written by a background thread
         while training goes on (not for sharded state); the next save, or :func:`wait_for_checkpoint`,
         waits for it.
