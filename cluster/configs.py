@@ -340,6 +340,11 @@ def worker_role(namespace: str) -> str:
         "rules": [
             {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "list", "watch", "delete"]},
             {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "get", "delete"]},
+            {
+                "apiGroups": ["networking.k8s.io"],
+                "resources": ["networkpolicies"],
+                "verbs": ["create", "get", "delete"],
+            },
             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
             {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
             {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},

@@ -78,7 +78,7 @@ def left_in(fake: FakeKubeAPI, names: set[str]) -> list[tuple[str, str, str]]:
     return [
         key
         for key in list(fake.objects)
-        if key[0] in ("jobs", "pods", "services") and any(key[2].startswith(n) for n in names)
+        if key[0] in ("jobs", "pods", "services", "networkpolicies") and any(key[2].startswith(n) for n in names)
     ]
 
 

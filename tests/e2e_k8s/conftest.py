@@ -156,9 +156,9 @@ def airflow(cluster_env: dict[str, str], tmp_path: Path) -> Iterator[Airflow]:
 
 
 def objects_of(deployment: str) -> dict[str, list[str]]:
-    """Every Job, Pod, Service and Secret of one deployment's groups still on the cluster."""
+    """Every Job, Pod, Service, NetworkPolicy and Secret of one deployment's groups still on the cluster."""
     found = {}
-    for kind in ("jobs", "pods", "services", "secrets"):
+    for kind in ("jobs", "pods", "services", "networkpolicies", "secrets"):
         items = kube.kubectl_json("get", kind, "-n", NAMESPACE, "-l", f"airflow-torchrun/deployment={deployment}")
         found[kind] = [i["metadata"]["name"] for i in items["items"]]
     return found

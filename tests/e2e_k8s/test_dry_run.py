@@ -83,7 +83,7 @@ def test_the_api_server_accepts_what_we_render(airflow: Airflow, tmp_path: Path,
     )
     assert rendered.returncode == 0, rendered.stderr[-3000:]
     docs = [d for d in yaml.safe_load_all(rendered.stdout) if d]
-    assert sorted(d["kind"] for d in docs) == ["Job", "Service"]
+    assert sorted(d["kind"] for d in docs) == ["Job", "NetworkPolicy", "Service"]
     checked = subprocess.run(
         [
             str(binary("kubectl")),

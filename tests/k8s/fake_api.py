@@ -28,13 +28,21 @@ from urllib.parse import parse_qs, urlparse
 import kubernetes_validate
 
 SCHEMA_VERSION = "1.34.0"
-_KINDS = {"jobs": "Job", "services": "Service", "pods": "Pod", "events": "Event", "workloads": "Workload"}
+_KINDS = {
+    "jobs": "Job",
+    "services": "Service",
+    "pods": "Pod",
+    "events": "Event",
+    "workloads": "Workload",
+    "networkpolicies": "NetworkPolicy",
+}
 _LIST_API = {
     "jobs": "batch/v1",
     "services": "v1",
     "pods": "v1",
     "events": "v1",
     "workloads": "kueue.x-k8s.io/v1beta1",
+    "networkpolicies": "networking.k8s.io/v1",
 }
 
 

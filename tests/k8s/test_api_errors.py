@@ -30,7 +30,7 @@ def wait_out(window: Outage) -> None:
 
 
 def group_objects(fake: FakeKubeAPI) -> list[tuple[str, str, str]]:
-    return sorted(k for k in fake.objects if k[0] in ("jobs", "services"))
+    return sorted(k for k in fake.objects if k[0] in ("jobs", "services", "networkpolicies"))
 
 
 @pytest.mark.parametrize("status", [500, 503, 429])
@@ -156,7 +156,7 @@ def test_launch_refused_with_422_for_a_label_with_a_space_is_permanent_and_leave
     assert group_objects(fake_api) == []
 
 
-@pytest.mark.parametrize("resource", ["jobs", "services"])
+@pytest.mark.parametrize("resource", ["jobs", "services", "networkpolicies"])
 def test_launch_against_a_503_is_transient_and_leaves_nothing(
     fake_api: FakeKubeAPI, backend: KubernetesBackend, resource: str
 ) -> None:
@@ -165,7 +165,7 @@ def test_launch_against_a_503_is_transient_and_leaves_nothing(
         launch(backend)
     assert info.value.transient is True and is_transient(info.value)
     assert "503 ServiceUnavailable" in str(info.value)
-    assert group_objects(fake_api) == []  # a Job created before the Service failed is deleted again
+    assert group_objects(fake_api) == []  # a Job created before the Service (or policy) failed is deleted again
     deletes = fake_api.calls_to("DELETE", "jobs")
     if resource == "jobs":
         # The create got no good answer: the Job of that name is read first (the server may have

@@ -75,14 +75,22 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
     plan, handle = launch(backend)
     job_name = handle.job_name
 
-    # Job first, then the Service carrying an ownerReference to the Job's uid.
+    # Job first, then the Service and the NetworkPolicy, each carrying an ownerReference to the Job's uid.
     posts = [c for c in fake_api.calls if c.method == "POST"]
-    assert [c.path.rsplit("/", 1)[-1] for c in posts] == ["jobs", "services"]
+    assert [c.path.rsplit("/", 1)[-1] for c in posts] == ["jobs", "services", "networkpolicies"]
     job = fake_api.job(NS, job_name)
     service = fake_api.objects[("services", NS, job_name)]
-    assert service["metadata"]["ownerReferences"] == [
-        {"apiVersion": "batch/v1", "kind": "Job", "name": job_name, "uid": job["metadata"]["uid"], "controller": True}
-    ]
+    policy = fake_api.objects[("networkpolicies", NS, job_name)]
+    uid = job["metadata"]["uid"]
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job_name, "uid": uid, "controller": True}
+    assert service["metadata"]["ownerReferences"] == policy["metadata"]["ownerReferences"] == [owner]
+    # Only the Job's own pods (by the uid label the Job controller sets), and only from them.
+    only_ours = {"matchLabels": {"batch.kubernetes.io/controller-uid": job["metadata"]["uid"]}}
+    assert policy["spec"] == {
+        "podSelector": only_ours,
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": only_ours}]}],
+    }
     assert handle.group_id == plan.group_id and handle.num_nodes == 2 and handle.namespace == NS
     assert handle.master_addr == plan.master_addr == f"{job_name}-0.{job_name}.{NS}.svc"
 
@@ -114,6 +122,7 @@ def test_success_creates_job_then_owned_service_streams_logs_and_tears_down(
     assert_foreground_delete(fake_api, job_name)
     assert ("jobs", NS, job_name) not in fake_api.objects
     assert ("services", NS, job_name) not in fake_api.objects  # owned: garbage-collected with the Job
+    assert ("networkpolicies", NS, job_name) not in fake_api.objects
     backend.teardown(handle)  # idempotent: everything already gone (404s) is fine
 
 
@@ -378,6 +387,29 @@ def test_a_foreign_job_of_the_same_name_is_a_permanent_launch_error(
         backend.launch(plan, watch_caller=True)
     assert info.value.transient is False
     assert ("jobs", NS, name) in fake_api.objects  # not ours: left alone
+
+
+def test_a_foreign_network_policy_of_the_same_name_fails_the_launch_and_leaves_nothing_of_ours(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    plan = backend.plan(make_spec(), IDENTITY, {})
+    name = backend.render(plan).name
+    foreign = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name}}
+    fake_api.add_object("networkpolicies", NS, foreign)
+    with pytest.raises(GroupLaunchError, match=r"a NetworkPolicy .* airflow-torchrun did not create") as info:
+        backend.launch(plan, watch_caller=True)
+    assert info.value.transient is False
+    fake_api.release_deletions()
+    assert ("jobs", NS, name) not in fake_api.objects and ("services", NS, name) not in fake_api.objects
+    assert ("networkpolicies", NS, name) in fake_api.objects  # not ours: left alone
+
+
+def test_a_runtime_may_opt_out_of_the_network_policy(fake_api: FakeKubeAPI, kubeconfig) -> None:
+    open_runtime = parse_runtime("open", {"image": "trainer:1", "network_policy": False})
+    backend = KubernetesBackend(namespace=NS, config_file=str(kubeconfig), runtimes={"open": open_runtime})
+    _, handle = launch(backend, runtime="open")
+    assert ("services", NS, handle.job_name) in fake_api.objects
+    assert not [k for k in fake_api.objects if k[0] == "networkpolicies"]
 
 
 def test_api_server_rejection_is_a_permanent_launch_error(fake_api: FakeKubeAPI, kubeconfig) -> None:

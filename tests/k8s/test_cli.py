@@ -81,7 +81,7 @@ def test_render_prints_exactly_what_the_backend_would_create(
     out = capsys.readouterr().out
     objects = list(yaml.safe_load_all(out))
     assert objects == expected_objects("ml", run_id, 2)
-    assert [o["kind"] for o in objects] == ["Job", "Service"]
+    assert [o["kind"] for o in objects] == ["Job", "Service", "NetworkPolicy"]
     for obj in objects:
         kubernetes_validate.validate(obj, "1.34.0", strict=True)
 

@@ -54,7 +54,7 @@ def rendered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, l
 
 def test_render_of_a_decorated_task_validates_against_the_kubernetes_schemas(rendered):
     _, objects = rendered
-    assert [o["kind"] for o in objects] == ["Job", "Service"]
+    assert [o["kind"] for o in objects] == ["Job", "Service", "NetworkPolicy"]
     for version in K8S_VERSIONS:
         for obj in objects:
             kubernetes_validate.validate(obj, version, strict=True)

@@ -52,6 +52,7 @@ def test_the_rbac_example_is_valid(version: str) -> None:
         ("batch", "jobs", "list"),
         ("batch", "jobs", "delete"),
         ("", "services", "create"),
+        ("networking.k8s.io", "networkpolicies", "create"),
         ("", "pods", "watch"),
         ("", "pods/log", "get"),
         ("", "events", "list"),

@@ -67,7 +67,7 @@ def test_an_api_rejection_at_launch_fails_once_without_retry(
     assert "A retry cannot fix this" in result.log, result.log[-3000:]
     posts = [c for c in fake_api.calls if c.method == "POST" and c.path.endswith("/jobs")]
     assert len(posts) == 1, "an API refusal must not be retried by Airflow"
-    assert not [k for k in fake_api.objects if k[0] in ("jobs", "pods", "services")]
+    assert not [k for k in fake_api.objects if k[0] in ("jobs", "pods", "services", "networkpolicies")]
 
 
 def test_evaluation_keeps_storage_credentials_out_of_the_pod_spec(

@@ -148,7 +148,8 @@ def test_task_succeeds_and_its_group_is_deleted(cluster: FakeKubeAPI, run_dag) -
     assert result.task_states == {"train": "success"}, result.log[-3000:]
     (job,) = created_jobs(cluster)
     assert job.endswith("-t1")
-    assert [c.path.rsplit("/", 1)[-1] for c in cluster.calls if c.method == "POST"] == ["jobs", "services"]
+    posts = [c.path.rsplit("/", 1)[-1] for c in cluster.calls if c.method == "POST"]
+    assert posts == ["jobs", "services", "networkpolicies"]
     deletes = [c for c in cluster.calls if c.method == "DELETE" and c.path.endswith(f"/jobs/{job}")]
     assert deletes and all(c.propagation_policy == "Foreground" for c in deletes)
     assert "[node 0 rank 0] step 1 loss 0.50" in result.log  # rank 0's log streamed into the task log
@@ -371,7 +372,7 @@ def test_on_kill_deletes_the_group(cluster: FakeKubeAPI, run_dag) -> None:
     assert len(foreground_deletes(cluster, job)) == 2
     assert f"Group {job} was stopped: the task was killed (on_kill)" in result.log
     assert "no longer exists" not in result.log
-    assert not [k for k in cluster.objects if k[0] in ("jobs", "pods", "services")]
+    assert not [k for k in cluster.objects if k[0] in ("jobs", "pods", "services", "networkpolicies")]
 
 
 # -- two deployments on the defaults -----------------------------------------------------------------

@@ -166,6 +166,8 @@ def test_every_object_validates_against_the_official_schema(name: str, version: 
         "metadata": {**group.service["metadata"], "ownerReferences": [k8s_render.owner_reference(job)]},
     }
     kubernetes_validate.validate(owned, version, strict=True)
+    assert group.network_policy is not None
+    kubernetes_validate.validate(k8s_render.policy_for_job(group.network_policy, job), version, strict=True)
 
 
 def test_schema_validation_catches_a_broken_object() -> None:
@@ -190,6 +192,11 @@ def test_group_shape() -> None:
     assert [r["action"] for r in spec["podFailurePolicy"]["rules"]] == ["FailJob", "FailJob"]
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {k8s_render.GROUP_LABEL: group.name}
+    # Ingress to the group's pods from the group's pods only; its egress (storage, tracking) is free.
+    policy = group.network_policy
+    assert policy is not None and policy["metadata"]["name"] == group.name and group.objects[-1] is policy
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": policy["spec"]["podSelector"]}]}]
     assert job["spec"]["template"]["metadata"]["labels"][k8s_render.GROUP_LABEL] == group.name
     assert pod["subdomain"] == group.name and pod["restartPolicy"] == "Never"
     trainer = pod["containers"][0]

@@ -60,6 +60,8 @@ HOLES: dict[str, dict[str, Any]] = {
     "identity annotation": {"annotations": {"iam.amazonaws.com/role": "arn:aws:iam::123456789012:role/admin"}},
     "storage endpoint in env": {"env": {"AWS_ENDPOINT_URL": "https://attacker.example.com"}},
     "any other override": {"container_overrides": {"lifecycle": {"postStart": {"exec": {"command": ["sh"]}}}}},
+    # Added with the NetworkPolicy (issue 23's turn-2 leftover): opening the pods is the platform's call.
+    "no network policy": {"network_policy": False},
 }
 
 

@@ -173,6 +173,24 @@ def delete_service(ns: str, name: str, uid: str) -> Request:
     )
 
 
+def _networking(ns: str) -> str:
+    return f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
+
+
+def create_network_policy(ns: str, policy: Mapping[str, Any]) -> Request:
+    return Request("POST", _networking(ns), body=policy)
+
+
+def read_network_policy(ns: str, name: str) -> Request:
+    """The NetworkPolicy, or ``None`` when it is gone."""
+    return Request("GET", f"{_networking(ns)}/{name}", tolerate=frozenset({404}))
+
+
+def delete_network_policy(ns: str, name: str, uid: str) -> Request:
+    """That very NetworkPolicy (uid precondition): gone already, or replaced by another, is fine."""
+    return Request("DELETE", f"{_networking(ns)}/{name}", body=_delete_options(uid), tolerate=frozenset({404, 409}))
+
+
 def list_pods(ns: str, label_selector: str) -> Request:
     return Request("GET", _core(ns, "pods"), query=(("labelSelector", label_selector),))
 

@@ -1,7 +1,8 @@
 """Launching, finding and tearing down a Kubernetes group, as flows shared by the sync and async path.
 
-Launch creates the Job, then the Service owned by it (selecting the Job's pods by its uid). When
-the API refuses either (a 4xx: the objects are invalid, not allowed, the namespace is missing)
+Launch creates the Job, then the Service and the NetworkPolicy owned by it (each selecting the
+Job's pods by its uid; no NetworkPolicy where the runtime says ``network_policy: false``). When
+the API refuses any (a 4xx: the objects are invalid, not allowed, the namespace is missing)
 the launch fails for good; when it does not answer (5xx, timeouts) the launch fails retryably.
 Either way whatever of this group may have been created is deleted first (by uid, never another's
 object of the same name): there is no half-started group.
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from airflow_torchrun.backends.handles import KubernetesHandle
@@ -43,6 +45,7 @@ from airflow_torchrun.backends.kubernetes.render import (
     GROUP_LABEL,
     INSTANCE_LABEL,
     RenderedGroup,
+    policy_for_job,
     service_for_job,
 )
 from airflow_torchrun.backends.kubernetes.status import parse_time, pod_observation
@@ -81,22 +84,42 @@ def launch_flow(rendered: RenderedGroup) -> Flow[dict[str, Any]]:
         # No answer or a 5xx: the server may have made the Job all the same. A 4xx made nothing.
         cleaned = (yield from _delete_quietly(rendered, None)) if exc.status is None or exc.transient else True
         raise launch_error(exc, rendered, "Job", cleaned) from exc
-    service = service_for_job(rendered.service, created)
     uid = created["metadata"]["uid"]
-    try:
+    owned = [(SERVICE, rendered.service, service_for_job(rendered.service, created))]
+    if rendered.network_policy is not None:
+        owned.append((NETWORK_POLICY, rendered.network_policy, policy_for_job(rendered.network_policy, created)))
+    for kind, ours, obj in owned:
         try:
-            yield api.create_service(ns, service)
+            try:
+                yield kind.create(ns, obj)
+            except ClusterApiError as exc:
+                if exc.status != 409:
+                    raise
+                yield from _replace_owned(rendered, kind, ours, obj, exc)
         except ClusterApiError as exc:
-            if exc.status != 409:
-                raise
-            yield from _replace_service(rendered, service, exc)
-    except ClusterApiError as exc:
-        cleaned = yield from _delete_quietly(rendered, uid)
-        raise launch_error(exc, rendered, "Service", cleaned) from exc
-    except GroupLaunchError:
-        yield from _delete_quietly(rendered, uid)
-        raise
+            cleaned = yield from _delete_quietly(rendered, uid)
+            raise launch_error(exc, rendered, kind.kind, cleaned) from exc
+        except GroupLaunchError:
+            yield from _delete_quietly(rendered, uid)
+            raise
     return created
+
+
+@dataclass(frozen=True)
+class _OwnedKind:
+    """An object the group's Job owns (created after it, garbage-collected with it)."""
+
+    kind: str
+    kubectl: str  # its resource name for kubectl
+    create: Callable[[str, Mapping[str, Any]], api.Request]
+    read: Callable[[str, str], api.Request]
+    delete: Callable[[str, str, str], api.Request]
+
+
+SERVICE = _OwnedKind("Service", "service", api.create_service, api.read_service, api.delete_service)
+NETWORK_POLICY = _OwnedKind(
+    "NetworkPolicy", "networkpolicy", api.create_network_policy, api.read_network_policy, api.delete_network_policy
+)
 
 
 def _replace_earlier_attempt(rendered: RenderedGroup, conflict: ClusterApiError) -> Flow[dict[str, Any]]:
@@ -128,21 +151,23 @@ def _replace_earlier_attempt(rendered: RenderedGroup, conflict: ClusterApiError)
     return created
 
 
-def _replace_service(rendered: RenderedGroup, service: dict[str, Any], conflict: ClusterApiError) -> Flow[None]:
-    """A Service of the group's name is there: one left from an earlier Job of this very group
+def _replace_owned(
+    rendered: RenderedGroup, kind: _OwnedKind, ours: Mapping[str, Any], obj: dict[str, Any], conflict: ClusterApiError
+) -> Flow[None]:
+    """An object of the group's name is there: one left from an earlier Job of this very group
     (garbage collection lags) is replaced; anyone else's is left alone and the launch fails."""
     ns, name = rendered.namespace, rendered.name
-    existing: dict[str, Any] | None = yield api.read_service(ns, name)
+    existing: dict[str, Any] | None = yield kind.read(ns, name)
     if existing is not None:
-        if not _same_instance(existing, rendered.service):
+        if not _same_instance(existing, ours):
             raise GroupLaunchError(
-                f"a Service {ns}/{name} exists that airflow-torchrun did not create for this group; nothing was "
-                f"changed. Delete it (`kubectl delete service -n {ns} {name}`) if it is a leftover, or use "
-                "another namespace",
+                f"a {kind.kind} {ns}/{name} exists that airflow-torchrun did not create for this group; nothing "
+                f"was changed. Delete it (`kubectl delete {kind.kubectl} -n {ns} {name}`) if it is a leftover, or "
+                "use another namespace",
                 transient=False,
             ) from conflict
-        yield api.delete_service(ns, name, existing["metadata"]["uid"])
-    yield api.create_service(ns, service)
+        yield kind.delete(ns, name, existing["metadata"]["uid"])
+    yield kind.create(ns, obj)
 
 
 def _identity_key(obj: Mapping[str, Any]) -> tuple[object, object]:

@@ -1,4 +1,6 @@
-"""Pure rendering of a group plan into Kubernetes objects: one Indexed Job and one headless Service.
+"""Pure rendering of a group plan into Kubernetes objects: one Indexed Job, one headless Service and,
+unless the runtime opts out, one NetworkPolicy that admits connections to the group's pods from its
+own pods only.
 
 No I/O, no clock, no Kubernetes client: plain dicts in the API's own JSON shape, so the same
 objects are created by the backend, printed by ``airflow-torchrun render`` and pinned by golden
@@ -13,7 +15,7 @@ annotation through Kubernetes' ``$(VAR)`` expansion. :func:`check_template` prov
 of the plan, that expanding the template gives exactly the command and environment the wiring
 rendered for that node (the local backend runs those).
 
-Names: the Job and the Service share one name, a DNS-1035 label of at most
+Names: the Job, the Service and the NetworkPolicy share one name, a DNS-1035 label of at most
 :data:`~airflow_torchrun.naming.MAX_GROUP_ID` characters, the group id
 (:class:`~airflow_torchrun.naming.GroupIdentity`): pods of an Indexed Job are called
 ``<name>-<index>`` in DNS, which must stay a 63-character label. The deployment (``[torchrun]
@@ -21,8 +23,9 @@ deployment``) keeps two Airflow deployments that share a namespace (and may well
 
 Shared clusters: pods run as a non-root user with a read-only root filesystem (writable
 emptyDirs at ``/tmp``, ``/dev/shm`` and the runtime's ``writable_paths``), every capability
-dropped, no service account token unless the runtime asks for it, and the Job ends itself after
-``active_deadline_seconds`` (the task's ``execution_timeout``) even when no Airflow process is left.
+dropped, no service account token unless the runtime asks for it, no connection from pods outside
+the group (where the cluster's network plugin enforces NetworkPolicies), and the Job ends itself
+after ``active_deadline_seconds`` (the task's ``execution_timeout``) even when no Airflow process is left.
 """
 
 from __future__ import annotations
@@ -237,17 +240,19 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 
 @dataclass(frozen=True)
 class RenderedGroup:
-    """The two objects of one group; ``objects`` is the creation order (Job first: the Service
-    gets an ownerReference to the Job's uid once the Job exists)."""
+    """The objects of one group; ``objects`` is the creation order (Job first: the Service and the
+    NetworkPolicy get an ownerReference to the Job's uid once the Job exists). ``network_policy``:
+    ``None`` where the runtime opts out (``network_policy: false``)."""
 
     name: str
     namespace: str
     job: dict[str, Any]
     service: dict[str, Any]
+    network_policy: dict[str, Any] | None = None
 
     @property
     def objects(self) -> list[dict[str, Any]]:
-        return [self.job, self.service]
+        return [self.job, self.service, *([self.network_policy] if self.network_policy is not None else [])]
 
 
 def termination_grace(runtime: Runtime, teardown_grace: float) -> int:
@@ -457,11 +462,30 @@ def render_group(
             ],
         },
     }
-    return RenderedGroup(name=name, namespace=namespace, job=job, service=service)
+    policy = None
+    if runtime.network_policy:
+        # Only the group's own pods may connect to its pods (the rendezvous, the collectives); what
+        # the ranks reach themselves (storage, tracking) is not restricted. Selectors as the Service's.
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": dict(common_labels),
+                "annotations": identity_annotations(identity),
+            },
+            "spec": {
+                "podSelector": {"matchLabels": {GROUP_LABEL: name}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": {"matchLabels": {GROUP_LABEL: name}}}]}],
+            },
+        }
+    return RenderedGroup(name=name, namespace=namespace, job=job, service=service, network_policy=policy)
 
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:
-    """Makes the Job the Service's owner: deleting the Job garbage-collects the Service."""
+    """Makes the Job the owner (of the Service, the NetworkPolicy): deleting the Job garbage-collects them."""
     meta = job["metadata"]
     return {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"], "controller": True}
 
@@ -473,6 +497,15 @@ def service_for_job(service: Mapping[str, Any], job: Mapping[str, Any]) -> dict[
     meta = {**service["metadata"], "ownerReferences": [owner_reference(job)]}
     spec = {**service["spec"], "selector": {CONTROLLER_UID_LABEL: uid}}
     return {**service, "metadata": meta, "spec": spec}
+
+
+def policy_for_job(policy: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
+    """The NetworkPolicy as created once ``job`` exists: owned by it, for and from only its pods (the
+    controller-uid label, as the Service's selector)."""
+    only_ours = {"matchLabels": {CONTROLLER_UID_LABEL: job["metadata"]["uid"]}}
+    meta = {**policy["metadata"], "ownerReferences": [owner_reference(job)]}
+    spec = {**policy["spec"], "podSelector": only_ours, "ingress": [{"from": [{"podSelector": only_ours}]}]}
+    return {**policy, "metadata": meta, "spec": spec}
 
 
 def to_yaml(objects: Sequence[Mapping[str, Any]]) -> str:

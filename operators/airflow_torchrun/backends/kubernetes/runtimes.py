@@ -74,6 +74,7 @@ ALLOWANCES = {
         "variables that change where the ranks' storage, tracking or code come from (AWS_*, AZURE_*, GOOGLE_*, "
         "MLFLOW_*, PYTHON*, LD_*, TRAIN_*, EVAL_*, TORCHELASTIC_*, AIRFLOW_*)"
     ),
+    "open_network": "the group's pods open to connections from any pod (network_policy: false)",
 }
 _STEERING_ENV = (
     "AWS_",
@@ -125,6 +126,7 @@ _FIELDS = (
     "ttl_seconds_after_finished",
     "termination_grace_period",
     "automount_service_account_token",
+    "network_policy",
     "read_only_root_filesystem",
     "writable_paths",
     "pod_overrides",
@@ -171,6 +173,8 @@ class Runtime:
     # teardown_grace.
     termination_grace_period: int | None = None
     automount_service_account_token: bool = False
+    # A NetworkPolicy that lets only the group's own pods connect to them (rendezvous, collectives).
+    network_policy: bool = True
     read_only_root_filesystem: bool = True
     # Writable emptyDirs besides /tmp (and /dev/shm) for a read-only root filesystem.
     writable_paths: tuple[str, ...] = ()
@@ -383,6 +387,7 @@ def _identity_and_sandbox(f: _Fields) -> dict[str, Any]:
     return {
         "service_account": f.text("service_account"),
         "automount_service_account_token": f.flag("automount_service_account_token", False),
+        "network_policy": f.flag("network_policy", True),
         "env": MappingProxyType(f.str_map("env", _ENV_NAME)),
         "env_from_secrets": f.str_list("env_from_secrets"),
         "working_dir": f.text("working_dir"),
@@ -613,6 +618,8 @@ def loosenings(runtime: Runtime) -> list[tuple[str, str]]:
             out.append(("secrets", f"pod_overrides.volumes: secret volume {volume.get('name')!r}"))
     if not runtime.read_only_root_filesystem:
         out.append(("writable_root", "read_only_root_filesystem: false"))
+    if not runtime.network_policy:
+        out.append(("open_network", "network_policy: false"))
     if c_sc.get("readOnlyRootFilesystem") is False:
         out.append(("writable_root", "container_overrides.securityContext.readOnlyRootFilesystem: false"))
     if runtime.service_account:
