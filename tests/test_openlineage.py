@@ -132,6 +132,7 @@ def test_shard_and_register_name_their_datasets(events: list[dict[str, Any]]) ->
     assert version == {**version, "namespace": "mlflow://local", "name": "models/digits-mlp/versions/1"}, version
     (model_run,) = register["inputs"]
     assert model_run["name"].startswith("runs/"), model_run
+    assert _of(events, "register", "START")["inputs"] == [model_run]  # the run it registers from, at once
     assert _of(events, "promote", "COMPLETE")["outputs"][0]["name"] == "models/digits-mlp/versions/1"
 
 
@@ -217,3 +218,27 @@ def _event_with(facet: dict[str, Any]) -> dict[str, Any]:
         "inputs": [],
         "outputs": [],
     }
+
+
+def test_register_names_the_run_it_registers_from_on_start_and_on_failure() -> None:
+    """Every one of shard, train, evaluate and register answers on start, complete and failure."""
+    from airflow_torchrun import RegisterModelOperator
+    from airflow_torchrun.operators.evaluate import EvaluateModelOperator
+    from airflow_torchrun.operators.shard import ShardDatasetOperator
+    from airflow_torchrun.operators.training import DistributedTrainingOperator
+
+    for cls in (ShardDatasetOperator, DistributedTrainingOperator, EvaluateModelOperator, RegisterModelOperator):
+        for hook in ("on_start", "on_complete", "on_failure"):
+            assert callable(getattr(cls, f"get_openlineage_facets_{hook}", None)), (cls.__name__, hook)
+    register = RegisterModelOperator(
+        task_id="register", model_name="digits", run_id="abc123", tracking_uri="http://mlflow:5000"
+    )
+    (started,) = register.get_openlineage_facets_on_start().inputs
+    assert (started.namespace, started.name) == ("mlflow://mlflow:5000", "runs/abc123")
+    failed = register.get_openlineage_facets_on_failure(None)  # failed before a version was made
+    assert [d.name for d in failed.inputs] == ["runs/abc123"] and failed.outputs == []
+    register._lineage_result = {"name": "digits", "version": 3, "run_id": "abc123"}  # failed after: the gate
+    after = register.get_openlineage_facets_on_failure(None)
+    assert [d.name for d in after.outputs] == ["models/digits/versions/3"]
+    templated = RegisterModelOperator(task_id="r2", model_name="digits", run_id="{{ ti.xcom_pull('train') }}")
+    assert templated.get_openlineage_facets_on_start().inputs == []  # not rendered: nothing claimed

@@ -195,6 +195,14 @@ def evaluation_lineage_of(op: Any, ti: Any) -> OperatorLineage:
     )
 
 
+def run_model_lineage(run_id: object, tracking_uri: str) -> OperatorLineage:
+    """``RegisterModelOperator`` before (or without) a version: the training run's model in, nothing out."""
+    if not isinstance(run_id, str) or not run_id.strip() or "{{" in run_id:
+        return OperatorLineage()
+    namespace = model_dataset(tracking_uri, "-", 0).namespace
+    return OperatorLineage(inputs=[Dataset(namespace=namespace, name=f"runs/{run_id.strip()}")])
+
+
 def registration_lineage(result: Mapping[str, Any] | None, tracking_uri: str) -> OperatorLineage:
     """``RegisterModelOperator`` / ``PromoteModelOperator``: the run's model in, the version out."""
     if not result or "version" not in result:

@@ -288,6 +288,12 @@ class RegisterModelOperator(BaseOperator):
         )
 
     # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
+    def get_openlineage_facets_on_start(self) -> Any:
+        from airflow_torchrun.lineage_openlineage import run_model_lineage
+        from airflow_torchrun.tracking import resolve_tracking_uri
+
+        return run_model_lineage(self.run_id, resolve_tracking_uri(self.tracking_uri))
+
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         # execute()'s result, from memory: the provider calls this in a forked process, where an XCom
         # read through the task's supervisor channel hung until the listener killed it.
@@ -295,6 +301,12 @@ class RegisterModelOperator(BaseOperator):
         from airflow_torchrun.tracking import resolve_tracking_uri
 
         return registration_lineage(getattr(self, "_lineage_result", None), resolve_tracking_uri(self.tracking_uri))
+
+    def get_openlineage_facets_on_failure(self, task_instance: Any) -> Any:
+        """A failure after the version was made (the gate, an alias) still names it; before, the run only."""
+        if getattr(self, "_lineage_result", None):
+            return self.get_openlineage_facets_on_complete(task_instance)
+        return self.get_openlineage_facets_on_start()
 
     def _metrics(self, client: MlflowClient, run_id: str, given: Mapping[str, Any] | None) -> dict[str, float]:
         from mlflow.exceptions import MlflowException
