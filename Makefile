@@ -71,7 +71,7 @@ check: lint
 # against the real cluster runs apart (make e2e-k8s): it needs make cluster.
 TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --ignore=tests/e2e_k8s $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --ignore=tests/e2e_k8s $(PYTEST_ARGS)
 
 # A real single-machine Kubernetes (cluster/): built from source once per version into
 # ~/.cache/airflow-torchrun/cluster, started as host processes under .state/cluster.
