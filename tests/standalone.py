@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from airflow_torchrun.backends.base import GroupHandle
 from airflow_torchrun.backends.local.backend import LocalBackend
@@ -111,6 +112,12 @@ class Standalone:
         body = {"logical_date": None, "conf": dict(conf)}
         run = self.ok("POST", f"/api/v2/dags/{dag_id or self.dag_id}/dagRuns", body)
         return str(run["dag_run_id"])
+
+    def xcom(self, run_id: str, key: str, task_id: str | None = None) -> Any:
+        """An XCom value of the task instance as the REST API gives it; ``None`` while there is none."""
+        path = f"/api/v2/dags/{self.dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id or self.task_id}"
+        code, data = self.request("GET", f"{path}/xcomEntries/{key}")
+        return data.get("value") if code == 200 and isinstance(data, dict) else None
 
     def ti(self, run_id: str, task_id: str | None = None) -> dict[str, Any]:
         """The task instance as the REST API shows it; ``{}`` while it does not exist."""

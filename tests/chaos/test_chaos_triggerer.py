@@ -242,7 +242,10 @@ def run_trial(server: Standalone, triggerers: Triggerers, uninterrupted: str, n:
     if not success:
         note += f" | task {state}, try {ti.get('try_number')}: {server.task_log(run_id)[-300:]}"
     recovery = (resumed_at - started_at) if resumed_at is not None else None
-    return record(Trial(FAULT, injected, recovered, identical, left, 0, recovery, note))
+    goodput = server.xcom(run_id, "goodput") or {}
+    ettr = (goodput.get("task") or {}).get("ettr") if isinstance(goodput, dict) else None
+    ettr = ettr if isinstance(ettr, int | float) else None
+    return record(Trial(FAULT, injected, recovered, identical, left, 0, recovery, note, None, ettr))
 
 
 @pytest.mark.fault(FAULT)
@@ -255,3 +258,5 @@ def test_triggerer_killed_while_deferred(standalone: tuple[Standalone, Triggerer
         assert t.recovered, t
         assert t.bit_identical, t
         assert t.left_behind == 0, t
+        # The ledger saw the deferred try through: its ETTR is known and below 1.
+        assert t.ettr is not None and 0 < t.ettr < 1, t
