@@ -232,6 +232,30 @@ def test_a_launch_killed_before_its_first_window_keeps_the_ledger_fine(started_l
     assert c[PRODUCTIVE] == pytest.approx(6.0) and ledger.ettr == pytest.approx(6.0 / 36.5)
 
 
+def test_a_watch_that_first_looked_late_does_not_swallow_the_training() -> None:
+    """A triggerer killed while deferred: the new one's watch saw the nodes running and their output
+    for the first time at 31.8 s, after the ranks had trained from 12.5 s (chaos row: ETTR 0.000)."""
+    t = Timeline()
+    t.mark(Mark.TRY_STARTED, 0.0)
+    t.mark(Mark.CONTRACT_STARTED, 0.0, 0)
+    t.mark(Mark.LAUNCHED, 0.1, 0)
+    t.mark(Mark.RANKS_STARTED, 3.2, 0)
+    t.mark(Mark.RENDEZVOUS, 6.1, 0)
+    t.mark(Mark.RUNNING, 31.8, 0)
+    t.mark(Mark.FIRST_OUTPUT, 31.8, 0)
+    t.mark(Mark.ENDED, 30.0, 0, outcome="succeeded")
+    t.mark(Mark.TRY_ENDED, 34.0, outcome="succeeded")
+    records = [
+        ProgressRecord(rank=0, step=0, time=6.1, event="rendezvous"),
+        ProgressRecord(rank=0, step=0, time=7.0, event="start"),
+        _window(0, 1, 100, 7.0, 29.0),
+    ]
+    ledger = try_ledger(t, {0: account_launch(0, records, None)}, try_number=1, now=40.0)
+    c = ledger.categories
+    assert c["admission"] == pytest.approx(3.1) and c[PRODUCTIVE] == pytest.approx(22.0)
+    assert sum(c.values()) == pytest.approx(ledger.wall) and ledger.ettr == pytest.approx(22.0 / 34.0)
+
+
 def test_the_task_ledger_adds_the_gap_between_tries() -> None:
     one = TryLedger(1, 0.0, 10.0, {k: 0.0 for k in CATEGORIES} | {PRODUCTIVE: 6.0, RESTART_GAP: 4.0}, "failed")
     two = TryLedger(2, 12.0, 30.0, {k: 0.0 for k in CATEGORIES} | {PRODUCTIVE: 18.0}, "succeeded")

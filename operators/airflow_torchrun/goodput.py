@@ -308,6 +308,11 @@ class _Cursor:
         self.at = when
 
 
+def _earliest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
 def try_ledger(
     timeline: Timeline,
     accounts: Mapping[int, LaunchAccount],
@@ -338,11 +343,17 @@ def try_ledger(
             cursor.to(RESTART_GAP, opened.at if opened else None, limit)
         launched = timeline.first(Mark.LAUNCHED, launch) or timeline.first(Mark.ATTACHED, launch)
         cursor.to(LAUNCHING, launched.at if launched else None, limit)
-        running = timeline.first(Mark.RUNNING, launch)
-        cursor.to(ADMISSION, running.at if running else None, limit)
-        output = timeline.first(Mark.FIRST_OUTPUT, launch)
-        cursor.to(LAUNCHING, output.at if output else None, limit)
         account = accounts.get(launch)
+        # What the watch saw first can come late (a triggerer that restarted looks for the first time
+        # long after): the ranks' own records say when they ran at the latest.
+        ranks_ran = _earliest(
+            *(m.at if (m := timeline.first(k, launch)) else None for k in (Mark.RANKS_STARTED, Mark.RENDEZVOUS)),
+            *((account.rendezvous_at, account.stepping_from) if account is not None else ()),
+        )
+        running = timeline.first(Mark.RUNNING, launch)
+        cursor.to(ADMISSION, _earliest(running.at, ranks_ran) if running else None, limit)
+        output = timeline.first(Mark.FIRST_OUTPUT, launch)
+        cursor.to(LAUNCHING, _earliest(output.at, ranks_ran) if output else None, limit)
         succeeded = stop is not None and stop.detail.get("outcome") == "succeeded"
         if account is not None and account.fine:
             cursor.to(RENDEZVOUS, account.rendezvous_at, limit)
