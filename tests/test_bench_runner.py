@@ -255,6 +255,7 @@ def _fake_process(tag: str, env: dict[str, str]):
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=full)
 
 
+@pytest.mark.slow  # starts processes
 def test_the_interval_bench_kills_rank_1_of_its_run_only_never_its_agent():
     import time
 

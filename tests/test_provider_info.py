@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # runs the airflow CLI
 def test_providers_get_shows_the_integration_its_how_to_tags_and_the_plugin(tmp_path: Path) -> None:
     env = {**os.environ, "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
     result = subprocess.run(

@@ -379,6 +379,7 @@ def test_deeply_nested_progress_records_are_skipped_per_line() -> None:
 
 
 # -- low: the stale-group scan stopped at relaunch 7 -----------------------------------------------
+@pytest.mark.slow  # starts processes
 def test_a_group_left_running_by_an_earlier_try_is_stopped_at_any_relaunch(tmp_path: Path) -> None:
     """The probe: an earlier try relaunched its group 9 times (port races, restarts) and left the
     tenth running; the next try looked at relaunches 0-7 only and let it run on beside its own."""
@@ -411,6 +412,7 @@ def test_a_group_left_running_by_an_earlier_try_is_stopped_at_any_relaunch(tmp_p
 
 
 # -- also: the local default state directory belongs to one AIRFLOW_HOME ------------------------------
+@pytest.mark.slow  # starts processes
 def test_the_default_state_dir_belongs_to_one_airflow_home(tmp_path: Path) -> None:
     """The probe: two AIRFLOW_HOMEs of one OS user, nothing configured, shared ``~/.airflow-torchrun``
     (group directories, default checkpoints, the default MLflow store)."""
