@@ -344,14 +344,7 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             io,
             self.training,
             function_env=lambda uri, preview: self._function_env(io.context, uri, preview=preview),
-            dag_id=str(self.dag_id),
-            task_id=str(self.task_id),
-            checkpoint_uri=self.checkpoint_uri,
-            resume=self.resume,
-            shard_manifest=self.shard_manifest,
-            mlflow_experiment=self.mlflow_experiment,
-            outlets=self.outlets,
-            state=state,
+            **self.contract_arguments(state),
         )
 
     def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:

@@ -222,18 +222,20 @@ class DistributedTrainingOperator(GroupOperator):
         return (self.checkpoint_uri,)
 
     def rank_contract(self, io: TaskIO, state: dict[str, Any] | None = None) -> TrainingContract:
-        return TrainingContract(
-            io,
-            self.training,
-            dag_id=str(self.dag_id),
-            task_id=str(self.task_id),
-            checkpoint_uri=self.checkpoint_uri,
-            resume=self.resume,
-            shard_manifest=self.shard_manifest,
-            mlflow_experiment=self.mlflow_experiment,
-            outlets=self.outlets,
-            state=state,
-        )
+        return TrainingContract(io, self.training, **self.contract_arguments(state))
+
+    def contract_arguments(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        """What the training contract takes from this task (``@task.torchrun``'s contract too)."""
+        return {
+            "dag_id": str(self.dag_id),
+            "task_id": str(self.task_id),
+            "checkpoint_uri": self.checkpoint_uri,
+            "resume": self.resume,
+            "shard_manifest": self.shard_manifest,
+            "mlflow_experiment": self.mlflow_experiment,
+            "outlets": self.outlets,
+            "state": state,
+        }
 
     # -- OpenLineage (the openlineage extra; imported only when the provider asks) -------------------
     def get_openlineage_facets_on_start(self) -> Any:

@@ -211,7 +211,9 @@ class KubernetesBackend(Backend[KubernetesHandle]):
             in_cluster=in_cluster,
         )
         self.all_ranks_logs = all_ranks_logs
-        self.watch_pods = bool(watch_pods)
+        if not isinstance(watch_pods, bool):  # bool("false") is True
+            raise TypeError(f"watch_pods must be True or False, got {watch_pods!r}")
+        self.watch_pods = watch_pods
         self.log_read_limit = log_read_limit
         self.watch_seconds = float(watch_seconds)
         self.request_timeout = float(request_timeout)
