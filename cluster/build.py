@@ -98,7 +98,8 @@ COMPONENTS = (
             "github.com/containernetworking/plugins/plugins/main/loopback",
         ),
     ),
-    Component("coredns", ("github.com/coredns/coredns",)),
+    # Only the plugins the Corefile uses (cluster/go/coredns/main.go).
+    Component("coredns", (".",)),
     Component(
         "kubernetes",
         tuple(K8S + c for c in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")),
@@ -172,6 +173,10 @@ def build(component: Component) -> Path:
     (tmp / ".complete").write_text(f"{time.monotonic() - started:.1f}\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    # The binaries of this component's earlier pins (another version or go.mod) are of no more use.
+    for stale in final.parent.glob(f"{component.name}-*"):
+        if stale != final and not stale.name.endswith(".partial"):
+            shutil.rmtree(stale, ignore_errors=True)
     say(f"built {component.name} in {time.monotonic() - started:.0f}s ({compiled} packages)")
     return final
 
