@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -313,3 +313,85 @@ def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=10)
+
+
+# -- the processes of a running standalone ------------------------------------------------------
+def descendants(pid: int, depth: int = 1 << 10) -> list[int]:
+    """The descendants of ``pid`` down to ``depth`` generations (read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: list[int] = []
+    todo = [(pid, 0)]
+    while todo:
+        parent, level = todo.pop()
+        if level < depth:
+            for child in parents.get(parent, []):
+                out.append(child)
+                todo.append((child, level + 1))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie is dead, only not yet reaped by its parent
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class Triggerers:
+    """The triggerer now running (standalone's at first, then each one a trial started)."""
+
+    server: Standalone
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def current(self) -> int:
+        if self.started:
+            return self.started[-1].pid
+        found = [p for p in descendants(self.server.proc.pid, depth=1) if " triggerer" in cmdline(p) and alive(p)]
+        assert len(found) == 1, f"airflow standalone should run one triggerer, found {found}"
+        return found[0]
+
+    def kill_current(self) -> tuple[dict[str, str], list[int]]:
+        """SIGKILL the triggerer and every process under it; its environment and the pids killed."""
+        pid = self.current()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+        victims = [pid, *descendants(pid)]
+        for victim in victims:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return env, victims
+
+    def start(self, env: dict[str, str], n: int) -> subprocess.Popen[bytes]:
+        with open(self.server.home.parent / f"triggerer-{n}.out", "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "airflow", "triggerer"],
+                env=env,
+                cwd=self.server.work_dir,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # stopped by its process group below
+            )
+        self.started.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.started:
+            stop_process_group(proc)

@@ -23,15 +23,10 @@ triggerer host dying; ``airflow standalone`` does not restart a dead component) 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -41,7 +36,7 @@ from airflow_torchrun.backends.local.backend import LocalBackend
 from airflow_torchrun.naming import GroupIdentity
 from tests.chaos.conftest import ARGS, FINAL, STEP, TRAINER
 from tests.chaos.matrix import SEED, Trial, record, trials
-from tests.standalone import Standalone, read_group, start_standalone, stop_process_group, wait_for
+from tests.standalone import Standalone, Triggerers, alive, read_group, start_standalone, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -65,87 +60,6 @@ DAG_FILE = textwrap.dedent(
         )
     """
 )
-
-
-def _children(pid: int, depth: int = 1 << 10) -> list[int]:
-    """The descendants of ``pid`` down to ``depth`` generations (read from /proc)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out: list[int] = []
-    todo = [(pid, 0)]
-    while todo:
-        parent, level = todo.pop()
-        if level < depth:
-            for child in parents.get(parent, []):
-                out.append(child)
-                todo.append((child, level + 1))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie is dead, only not yet reaped by its parent
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-@dataclass
-class Triggerers:
-    """The triggerer now running (standalone's at first, then each one a trial started)."""
-
-    server: Standalone
-    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def current(self) -> int:
-        if self.started:
-            return self.started[-1].pid
-        found = [p for p in _children(self.server.proc.pid, depth=1) if " triggerer" in _cmdline(p) and _alive(p)]
-        assert len(found) == 1, f"airflow standalone should run one triggerer, found {found}"
-        return found[0]
-
-    def kill_current(self) -> tuple[dict[str, str], list[int]]:
-        """SIGKILL the triggerer and every process under it; its environment and the pids killed."""
-        pid = self.current()
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-        victims = [pid, *_children(pid)]
-        for victim in victims:
-            try:
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return env, victims
-
-    def start(self, env: dict[str, str], n: int) -> subprocess.Popen[bytes]:
-        with open(self.server.home.parent / f"triggerer-{n}.out", "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "airflow", "triggerer"],
-                env=env,
-                cwd=self.server.work_dir,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # stopped by its process group below
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop(self) -> None:
-        for proc in self.started:
-            stop_process_group(proc)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +116,7 @@ def run_trial(server: Standalone, triggerers: Triggerers, uninterrupted: str, n:
     new = triggerers.start(env, n)
     started_at = time.time()
 
-    injected = not any(_alive(p) for p in victims)
+    injected = not any(alive(p) for p in victims)
 
     def watching_again() -> bool:
         fresh = [text for path, text in _trigger_logs(server, run_id).items() if path not in old_logs]
@@ -227,7 +141,7 @@ def run_trial(server: Standalone, triggerers: Triggerers, uninterrupted: str, n:
     success = state == "success" and ti.get("try_number") == 1
     identical = (found[-1][1] == uninterrupted) if success and found else (False if success else None)
     one_group = created == [group_id] and "resuming from" not in node_logs
-    left = len(backend.running_pids(handle)) + sum(_alive(p) for p in victims)
+    left = len(backend.running_pids(handle)) + sum(alive(p) for p in victims)
     recovered = success and resumed_at is not None and one_group and training_on
     note = (
         f"seed {SEED}: killed at step {at_step} (aimed at {target}); training went on: {training_on}; "
