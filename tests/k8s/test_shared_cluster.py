@@ -63,6 +63,21 @@ def test_two_deployments_with_the_same_ids_never_attach_to_or_delete_each_others
     assert found is not None and found.job_uid == ours.job_uid
 
 
+def test_the_views_launches_table_names_the_jobs_the_deployment_made(fake_api: FakeKubeAPI, kubeconfig: Path) -> None:
+    """Found on the real cluster: the table derived each launch's id without the deployment, so it
+    listed a group no Job had."""
+    from dataclasses import asdict, replace
+
+    from airflow_torchrun.ui.api import _launches
+
+    prod = backend_of(kubeconfig, "prod")
+    relaunched = prod.launch(prod.plan(make_spec(), replace(IDENTITY, relaunch=1), {}))
+    identity = {k: v for k, v in asdict(IDENTITY).items() if k in ("dag_id", "task_id", "run_id", "try_number")}
+    rows = _launches(relaunched, prod, {**identity, "map_index": IDENTITY.map_index}, None)
+    assert [r["group_id"] for r in rows][-1] == relaunched.group_id == relaunched.job_name
+    assert rows[0]["group_id"] == prod.named(IDENTITY).group_id != IDENTITY.group_id
+
+
 def test_a_bad_deployment_name_is_refused() -> None:
     with pytest.raises(InvalidSpecError, match="must be a Kubernetes label value"):
         KubernetesBackend(namespace=NS, deployment="prod eu", runtimes=BUILTIN_RUNTIMES)

@@ -166,6 +166,11 @@ class Backend(Protocol[H]):
         return None
 
     # -- run time ------------------------------------------------------------------------------
+    def named(self, identity: GroupIdentity) -> GroupIdentity:
+        """``identity`` as this backend names its groups (a group's id is ``named(identity).group_id``):
+        the launches table of a view derives each launch's id from it."""
+        return identity
+
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
         """Pure: each node's command and env (the wiring's plan, with this backend's addresses)."""
         ...

@@ -326,10 +326,12 @@ def _audit_view(value: object) -> dict[str, Any] | None:
     }
 
 
-def _launches(handle: GroupHandle, identity: dict[str, Any], counts: Any) -> list[dict[str, Any]]:
+def _launches(
+    handle: GroupHandle, backend: Backend[Any], identity: dict[str, Any], counts: Any
+) -> list[dict[str, Any]]:
     from airflow_torchrun.naming import GroupIdentity
 
-    base = GroupIdentity(**identity)
+    base = backend.named(GroupIdentity(**identity))
     last = min(handle.relaunch, MAX_RELAUNCH)
     rows = [
         {"relaunch": r, "group_id": replace(base, relaunch=r).group_id, "current": r == handle.relaunch}
@@ -482,7 +484,7 @@ def collect(
         failure=entry.failure if access.logs else None,
         checkpoints=checkpoints,
         links=links,
-        launches=_launches(handle, identity, xcoms.get("launches") if access.xcom else None),
+        launches=_launches(handle, backend, identity, xcoms.get("launches") if access.xcom else None),
         extra=extra,
         max_rows=MAX_RANK_ROWS,
         history=history if access.logs else None,

@@ -308,10 +308,14 @@ class KubernetesBackend(Backend[KubernetesHandle]):
     def runtime_for(self, spec: GroupSpec) -> Runtime:
         return get_runtime(spec.runtime, catalog=self._catalog or load_runtimes(), where="backend kubernetes")
 
+    def named(self, identity: GroupIdentity) -> GroupIdentity:
+        """In this Airflow deployment's name: two deployments' groups of equal ids never share a Job."""
+        return replace(identity, deployment=self.deployment)
+
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
         """The wiring's plan with node 0's DNS name as rendezvous address. Pure."""
         runtime = self.runtime_for(spec)
-        identity = replace(identity, deployment=self.deployment)
+        identity = self.named(identity)
         name = identity.group_id
         exposed = sorted(k for k in {**extra_env, **spec.env} if _SECRET_NAME.search(k))
         if exposed:
@@ -370,7 +374,7 @@ class KubernetesBackend(Backend[KubernetesHandle]):
         newest (try, then relaunch) wins. Completed Jobs count, failed ones and Jobs being
         deleted do not. The handle, ``relaunch`` included, is read from the Job's annotations.
         """
-        job = self._sync.run(find_flow(self.namespace, replace(identity, deployment=self.deployment).instance_key))
+        job = self._sync.run(find_flow(self.namespace, self.named(identity).instance_key))
         if job is None:
             return None
         handle = handle_from_job(job, self.connection, all_ranks_logs=self.all_ranks_logs, spec=spec)
@@ -438,7 +442,7 @@ class KubernetesBackend(Backend[KubernetesHandle]):
         """The handle of the group ``identity`` names (this backend's namespace and deployment), from
         its Job's own metadata; None when there is no such Job, or the one of that name is not
         airflow-torchrun's for that very task instance."""
-        identity = replace(identity, deployment=self.deployment)
+        identity = self.named(identity)
         job = self._sync.run(read_job_flow(self.namespace, identity.group_id))
         if job is None:
             return None
