@@ -310,6 +310,29 @@ def test_the_view_reads_only_the_xcoms_it_shows(
     assert not [k for k in seen if k.startswith("big_")], f"{len(seen)} XComs deserialised"
 
 
+def test_a_task_not_started_yet_is_shown_pending_not_missing(
+    task_instance: DagResult, api: tuple[Any, Callable[[str], dict[str, str]]]
+) -> None:
+    """Found on the real cluster: a user who opened the Training tab of a queued task (no try run
+    yet: try_number 0) got 404 "try 0 of train does not exist"."""
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import update
+
+    with create_session() as session:
+        session.execute(
+            update(TaskInstance)
+            .where(TaskInstance.dag_id == task_instance.dag_id, TaskInstance.run_id == task_instance.run_id)
+            .values(try_number=0, state="queued")
+        )
+    client, headers = api
+    answer = client.get(doc_path(task_instance), headers=headers("reader"))
+    assert answer.status_code == 200, answer.text
+    doc = answer.json()
+    assert (doc["ti_state"], doc["state"], doc["group_id"], doc["latest_try"]) == ("queued", "pending", None, 0), doc
+    assert client.get(doc_path(task_instance) + "?try_number=2", headers=headers("reader")).status_code == 404
+
+
 # -- finding 9: the view's permissions were too narrow, its docs routes open ---------------------------
 def test_the_view_serves_no_docs_or_schema_without_auth(api: tuple[Any, Callable[[str], dict[str, str]]]) -> None:
     client, _headers = api

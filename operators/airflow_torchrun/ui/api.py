@@ -202,7 +202,7 @@ def _task_instance(session: Any, dag_id: str, run_id: str, task_id: str, map_ind
 
 def _try_state(session: Any, ti: Any, try_number: int) -> str | None:
     """The state a try ended in: the task instance's for its latest try, the history's for earlier ones."""
-    if try_number == int(ti.try_number or 0):
+    if try_number >= int(ti.try_number or 0):  # the latest, or the first of a task not started yet
         return str(getattr(ti.state, "value", ti.state)) if ti.state is not None else None
     from airflow.models.taskinstancehistory import TaskInstanceHistory as TIH
 
@@ -398,7 +398,8 @@ def collect(
     if ti is None:
         raise HTTPException(404, f"no task instance {dag_id}/{dag_run_id}/{task_id} (map_index {map_index})")
     current = int(ti.try_number or 0)
-    wanted = current if try_number is None else try_number
+    # A task not started yet (try 0) is shown as its first try, pending.
+    wanted = max(current, 1) if try_number is None else try_number
     if wanted < 1 or wanted > max(current, 1):
         raise HTTPException(404, f"try {wanted} of {task_id} does not exist (latest: {current})")
     key = TaskKey(dag_id, dag_run_id, task_id, map_index, wanted)
