@@ -118,6 +118,11 @@ def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_scri
     assert "rank 3 failing at step 2" in result.log  # the log tail of the failing rank
     group_id = result.xcom("train", key="group")["group_id"]
     assert group_processes(group_id) == []
+    # How the group ended, for the training view once the group is gone (XCom group_end).
+    end = result.xcom("train", key="group_end")
+    assert (end["group_id"], end["outcome"]) == (group_id, "failed"), end
+    assert "rank 3 (node 1, local rank 1) exited with code 7" in end["failure"]
+    assert {n["node_rank"]: n["phase"] for n in end["nodes"]}[1] == "failed", end["nodes"]
 
 
 @pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])

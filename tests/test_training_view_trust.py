@@ -249,6 +249,37 @@ def test_the_view_reaches_the_cluster_only_through_the_deployments_own_connectio
     assert ours.calls == [] and theirs.calls == []
 
 
+def test_an_ended_kubernetes_group_is_shown_as_its_try_concluded_not_as_a_deleted_job(
+    task_instance: DagResult, api: tuple[Any, Callable[[str], dict[str, str]]], clusters: Any
+) -> None:
+    """Found on the real cluster: once the task's teardown had deleted its failed group's Job, the
+    view said "node 0 was lost: its Job no longer exists" instead of the rank's failure."""
+    from airflow_torchrun.naming import GroupIdentity
+
+    group_id = GroupIdentity(task_instance.dag_id, "train", task_instance.run_id, 1, deployment="prod").group_id
+    forge(task_instance, "group", _kubernetes_handle(task_instance, group_id=group_id, job_name=group_id))
+    failure = f"Training group {group_id} failed: rank 1 (node 1, local rank 0) exited with code 1."
+    nodes = [
+        {"node_rank": 0, "phase": "failed", "exit_code": 1, "signal": None, "reason": None, "stopped_by": None},
+        {"node_rank": 1, "phase": "failed", "exit_code": 3, "signal": None, "reason": None, "stopped_by": None},
+    ]
+    record = {"group_id": group_id, "outcome": "failed", "nodes": nodes, "failure": failure}
+    forge(task_instance, "group_end", record)
+    client, headers = api
+    doc = client.get(doc_path(task_instance), headers=headers("reader")).json()
+    assert (doc["group_id"], doc["state"], doc["failure"]) == (group_id, "failed", failure), doc
+    assert [(r["state"], r["exit_code"]) for r in doc["ranks"]] == [("failed", 1), ("failed", 3)]
+    # The record of another group, or one of another shape, is not taken for this group's end.
+    for forged in ({**record, "group_id": "another"}, {**record, "nodes": [{"node_rank": 7, "phase": "failed"}]}):
+        _sources().clear_caches()
+        from airflow_torchrun.ui import api as view_api
+
+        view_api._FOLLOWED.clear()
+        forge(task_instance, "group_end", forged)
+        doc = client.get(doc_path(task_instance), headers=headers("reader")).json()
+        assert doc["failure"] != failure and "no longer exists" in (doc["failure"] or ""), doc["failure"]
+
+
 # -- finding 11: the API server could be tied up ---------------------------------------------------------
 def test_the_view_holds_no_pod_watch_and_reads_logs_bounded(
     task_instance: DagResult, api: tuple[Any, Callable[[str], dict[str, str]]], clusters: Any

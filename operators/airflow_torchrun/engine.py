@@ -47,6 +47,9 @@ DEFER_SETTLE_SECONDS = 10.0
 XCOM_GROUP = "group"
 XCOM_LAUNCHES = "launches"
 XCOM_RESUME_AUDIT = "resume_audit"
+# How the try's last group ended, as the engine concluded it: what the training view shows once the
+# group itself is gone (a Kubernetes Job is deleted by the teardown, its pods and logs with it).
+XCOM_GROUP_END = "group_end"
 
 
 @dataclass
@@ -589,14 +592,17 @@ class RunEngine:
         self._audit_verdict(handle)
         self._ended(handle, False)
         if verdict.outcome is Outcome.TIMEOUT:
+            self._publish_end(handle, verdict, verdict.reason)
             raise AirflowTaskTimeout(f"Group {handle.group_id} was stopped: {verdict.reason}")
         if verdict.outcome in (Outcome.ERROR, Outcome.PROGRESS_TIMEOUT):
             where = ", ".join(self.backend.log_locations(handle))
             message = f"Group {handle.group_id} was torn down: {verdict.reason}. Its logs: {where}"
+            self._publish_end(handle, verdict, message)
             if not verdict.transient:  # e.g. the cluster forbids looking at the group: a retry would too
                 raise AirflowFailException(f"{message}\n{NOT_RETRYING}")
             raise AirflowException(message)
         report = self.explain(handle, verdict)
+        self._publish_end(handle, verdict, report.message)
         self.log.error("%s", report.message)
         if not report.retryable:
             raise AirflowFailException(f"{report.message}\n{NOT_RETRYING}")
@@ -604,6 +610,22 @@ class RunEngine:
         if why:
             raise AirflowFailException(f"{report.message}\n(Not retrying: {why}.)")
         raise AirflowException(report.message)
+
+    def _publish_end(self, handle: GroupHandle, verdict: Verdict, failure: str | None) -> None:
+        """XCom ``group_end``: how the try's group ended (each node, the failure's story), for the
+        training view once the group is gone. An account only: a push that fails is a warning."""
+        from dataclasses import asdict
+
+        record = {
+            "group_id": handle.group_id,
+            "outcome": verdict.outcome.value,
+            "nodes": [{**asdict(node), "phase": node.phase.value} for node in verdict.nodes],
+            "failure": failure,
+        }
+        try:
+            self.push(XCOM_GROUP_END, record)
+        except Exception as exc:
+            self.log.warning("Could not publish how group %s ended: %s", handle.group_id, exc)
 
     def _audit_verdict(self, handle: GroupHandle) -> None:
         """``resume_audit="fail"``: a resume that diverged fails the task, without retry (a retry

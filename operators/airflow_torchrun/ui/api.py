@@ -143,16 +143,67 @@ def _followed(handle: GroupHandle, backend: Backend) -> _Followed:
         return entry
 
 
-def look(handle: GroupHandle, backend: Backend, now: float | None = None, *, succeeded: bool = False) -> _Followed:
+def recorded_end(raw: object, handle: GroupHandle) -> tuple[list[NodeObservation], str | None] | None:
+    """How the try concluded ``handle``'s group (XCom ``group_end``, the engine's record): its nodes
+    and the failure's story, bounded; None when the record is not this group's or not of that shape.
+    Display only (the record is XCom, which others can write): it decides nothing."""
+    if not isinstance(raw, dict) or raw.get("group_id") != handle.group_id or not isinstance(raw.get("nodes"), list):
+        return None
+    phases = {p.value for p in NodePhase}
+
+    def text(value: object, limit: int) -> str | None:
+        return value[:limit] if isinstance(value, str) else None
+
+    nodes: dict[int, NodeObservation] = {}
+    for node in raw["nodes"][: handle.num_nodes]:
+        if not isinstance(node, dict) or node.get("phase") not in phases:
+            return None
+        rank = bounded_int(node.get("node_rank"), low=0, high=handle.num_nodes - 1)
+        if rank is None:
+            return None
+        nodes[rank] = NodeObservation(
+            node_rank=rank,
+            phase=NodePhase(node["phase"]),
+            exit_code=bounded_int(node.get("exit_code"), low=-(2**31), high=2**31),
+            signal=text(node.get("signal"), 40),
+            reason=text(node.get("reason"), 500),
+            stopped_by=text(node.get("stopped_by"), 40),
+        )
+    return [nodes[r] for r in sorted(nodes)], text(raw.get("failure"), 20_000)
+
+
+def look(
+    handle: GroupHandle,
+    backend: Backend,
+    now: float | None = None,
+    *,
+    succeeded: bool = False,
+    ended: object = None,
+) -> _Followed:
     """One look at the group: its nodes, new progress records, and the failure once it failed;
     the last look's when it is younger than :data:`LOOK_EVERY_S`.
 
     ``succeeded``: the task instance succeeded with this group. Its nodes are then shown as
     succeeded without looking: a Kubernetes group's Job is deleted once it is done, and looking
-    would find its pods gone (a vanished group, not a finished one).
+    would find its pods gone (a vanished group, not a finished one). ``ended``: the try's record
+    of how the group ended (:func:`recorded_end`); where the group's logs go with its teardown
+    (Kubernetes), that record is what is shown of an ended group, not the deleted Job.
     """
     entry = _followed(handle, backend)
+    record = None if backend.logs_outlive_teardown else recorded_end(ended, handle)
     with entry.lock:
+        if record is not None and (entry.status is None or not entry.status.state.terminal):
+            nodes, failure = record
+            try:  # what the ranks reported before the end, where the logs can still be read
+                entry.take(parse_records(entry.backend.read_progress_lines(handle)))
+            except Exception:
+                pass
+            entry.status = group_status(
+                nodes, launched_at=handle.launched_at, now=now or time.time(), startup_timeout=handle.startup_timeout
+            )
+            entry.failure = failure
+            entry.looked_at = time.monotonic()
+            return entry
         fresh = entry.looked_at is not None and time.monotonic() - entry.looked_at < LOOK_EVERY_S
         if fresh and not (succeeded and (entry.status is None or entry.status.state is not Outcome.SUCCEEDED)):
             return entry
@@ -460,7 +511,7 @@ def collect(
     handle, backend = found
     # The summary names this very group: it is the one that succeeded.
     succeeded = ids["ti_state"] == "success" and summary.get("group_id") == handle.group_id
-    entry = look(handle, backend, succeeded=succeeded)
+    entry = look(handle, backend, succeeded=succeeded, ended=xcoms.get("group_end"))
     identity = {
         "dag_id": dag_id,
         "task_id": task_id,

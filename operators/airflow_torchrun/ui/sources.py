@@ -52,6 +52,7 @@ XCOM_KEYS = (
     "mlflow_run_id",
     "mlflow_run_url",
     "goodput",
+    "group_end",
 )
 XCOM_TTL_S = 5.0
 # Largest XCom value (JSON characters) the view deserialises; a bigger one is left out.
