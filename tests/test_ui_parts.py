@@ -65,6 +65,28 @@ def test_document_gives_every_rank_its_node_state_and_progress() -> None:
 
 
 @pytest.mark.slow
+def test_an_ended_group_without_reports_reached_its_last_committed_checkpoint() -> None:
+    """A Kubernetes group's ranks' reports go with its pods; its checkpoints still tell how far it got."""
+    from airflow_torchrun.ui.document import CheckpointRow
+
+    handle = LocalHandle(group_id="g", num_nodes=2, world_size=2, launched_at=1.0, startup_timeout=60, teardown_grace=1,
+                         group_dir="/x", master_port=1)  # fmt: skip
+    nodes = (NodeObservation(0, NodePhase.FAILED, exit_code=1), NodeObservation(1, NodePhase.FAILED, exit_code=1))
+    rows = [
+        CheckpointRow(step=20, uri="s3://b/step-20", committed=True, size=1, time=1.0, try_number=1),
+        CheckpointRow(step=40, uri="s3://b/step-40", committed=False, size=1, time=2.0, try_number=1),
+        CheckpointRow(step=60, uri="s3://b/step-60", committed=True, size=1, time=3.0, try_number=2),
+    ]
+    status = GroupStatus(Outcome.FAILED, nodes, 1, "x")
+    doc = build_document(ids={"try_number": 1}, handle=handle, status=status, board=None, checkpoints=rows)
+    assert doc["progress"]["reached"] == 20 and "last committed checkpoint" in doc["progress_line"]
+    running = GroupStatus(Outcome.RUNNING, nodes, None, None)
+    assert (
+        build_document(ids={"try_number": 1}, handle=handle, status=running, board=None, checkpoints=rows)["progress"]
+        is None
+    )
+
+
 def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None:
     argv = ["--dry-run", "--airflow-port", "18080", "--mlflow-port", "15000"]
     cmd = [sys.executable, "-m", "airflow_torchrun.ui.serve", *argv]

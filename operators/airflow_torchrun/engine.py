@@ -526,11 +526,16 @@ class RunEngine:
             raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
 
     def settle(self, handle: GroupHandle, verdict: Verdict | None = None) -> None:
-        """Teardown (on success it only confirms nothing is left), then the last log lines.
+        """Teardown (on success it only confirms nothing is left), and the last log lines into the task log.
 
         Transient trouble is retried within ``preflight_budget``. After a success a teardown that
         still fails is only warned about: the training is done, whatever is left has finished too.
         """
+        # The ranks' last lines: before the teardown where the logs go with the group (pods), after
+        # it where they outlive it (a rank still exiting writes its last words during the teardown).
+        outlive = self.backend.logs_outlive_teardown
+        if not outlive:
+            self.flush_logs(handle)
         self.timeline.mark(Mark.TEARDOWN_STARTED, time.time(), handle.relaunch)
         try:
             self._calm(f"tearing down group {handle.group_id}", lambda: self.backend.teardown(handle))
@@ -539,7 +544,8 @@ class RunEngine:
             if verdict is None or verdict.outcome is not Outcome.SUCCEEDED:
                 raise
             self.log.warning("Group %s succeeded, but confirming its teardown failed: %s", handle.group_id, exc)
-        self.flush_logs(handle)
+        if outlive:
+            self.flush_logs(handle)
 
     def flush_logs(self, handle: GroupHandle) -> None:
         try:

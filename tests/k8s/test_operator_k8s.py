@@ -192,6 +192,28 @@ def test_deferred_task_is_watched_by_the_trigger_through_the_async_hook(cluster:
     assert any(c.is_watch for c in cluster.calls)
 
 
+def succeed_once_watched(fake: FakeKubeAPI, job: str) -> None:
+    """Rank 0's last line written while the trigger watches (its watch of the pods is open)."""
+    fake.create_pods(NS, job)
+    fake.set_running(NS, job)
+    deadline = time.monotonic() + 120
+    while not any(c.is_watch for c in fake.calls) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    fake.add_log(fake.pod(NS, job, 0)["metadata"]["name"], "[node 0 rank 0] FINAL step=40 weights_sha256=ab12")
+    fake.set_terminated(NS, job, None, exit_code=0, reason="Completed")
+
+
+def test_a_deferred_groups_last_lines_reach_the_task_log_before_its_pods_go(cluster: FakeKubeAPI, run_dag) -> None:
+    """Found on the real cluster: the trigger streams no log lines, and the re-entry read the logs
+    only after its teardown had deleted the pods: rank 0's last lines (FINAL ...) never reached the
+    task log of a deferred task."""
+    with Autopilot(cluster, succeed_once_watched):
+        result = run_dag(TASK.replace("track=False,", "track=False,\n    deferrable=True,\n    defer_after=0,"))
+    assert result.task_states == {"train": "success"}, result.log[-3000:]
+    assert "deferring: the triggerer watches it" in result.log
+    assert "[node 0 rank 0] FINAL step=40 weights_sha256=ab12" in result.log
+
+
 # -- preemption, reattach, on_kill ---------------------------------------------------------------
 PREEMPTED = ("PreemptionByScheduler", "Preempted in order to admit critical pod")
 

@@ -143,9 +143,14 @@ def build_document(
     progress = summary.to_dict() if summary else None
     line = board.summary_line() if board else None
     ended = status is not None and status.state.terminal
+    mine = [c.step for c in checkpoints if c.committed and c.try_number == ids.get("try_number")]
+    if ended and summary is None and mine:
+        # No rank's report is left (a Kubernetes group's logs go with its pods): its checkpoints tell.
+        reached = max(mine)
+        progress = {"step": reached, "reached": reached, "total_steps": None, "eta_s": None}
+        line = f"reached step {reached}: this try's last committed checkpoint (its ranks' reports are gone)"
     if ended and summary is not None:
         furthest = max(r.step for r in board.latest.values()) if board else summary.step
-        mine = [c.step for c in checkpoints if c.committed and c.try_number == ids.get("try_number")]
         reached = max([furthest, *mine])
         assert progress is not None
         progress.update({"reached": reached, "eta_s": None})
