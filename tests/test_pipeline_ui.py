@@ -86,6 +86,19 @@ def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def planned_failure(airflow: Standalone) -> tuple[str, str]:
+    """One run of the pipeline through its planned failure (rank 1 killed at step 30 in try 1, try 2
+    resumes from step 20), with a gate two epochs pass (about 0.87 accuracy), so the run also shows
+    the object Param arriving: its run id and end state. The REST test and the Training tab's test of
+    the failed first try both read this run (each pipeline run costs about a minute and a half)."""
+    airflow.unpause()
+    run_id = airflow.trigger(
+        {"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}, "require_approval": False}
+    )
+    return run_id, airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
+
+
 def _runs(server: Standalone) -> set[str]:
     """The ids of the DAG's runs."""
     return {r["dag_run_id"] for r in server.ok("GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=1000")["dag_runs"]}
@@ -189,13 +202,10 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
     assert airflow.ok("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"], "the form was told not to unpause the DAG"
 
 
-def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Standalone) -> None:
-    airflow.unpause()
-    # A gate two epochs pass (about 0.87 accuracy), so the run also shows the object Param arriving.
-    run_id = airflow.trigger(
-        {"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}, "require_approval": False}
-    )
-    state = airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
+def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(
+    airflow: Standalone, planned_failure: tuple[str, str]
+) -> None:
+    run_id, state = planned_failure
     run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}"
     tis = airflow.ok("GET", f"{run_path}/taskInstances")["task_instances"]
     states = {t["task_id"]: (t["state"], t["try_number"]) for t in tis}
@@ -426,7 +436,9 @@ def _earlier_try_frame_checks(frame: Any, expect: Any, doc: dict[str, Any]) -> N
 
 
 @pytest.mark.timeout(1500)
-def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Standalone) -> None:
+def test_ui_training_view_tells_the_truth_about_a_failed_first_try(
+    airflow: Standalone, planned_failure: tuple[str, str]
+) -> None:
     missing = _missing_browser()
     if missing and os.environ.get("CI"):
         pytest.fail(f"CI must run the UI test: {missing}")
@@ -437,9 +449,8 @@ def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Stan
 
     expect.set_options(timeout=60_000)  # a loaded machine's first render took longer than the default 5 s
 
-    airflow.unpause()
-    run_id = airflow.trigger({"epochs": 2, "fail_at_step": 30, "require_approval": False})
-    assert airflow.wait_run_state(run_id, {"success", "failed"}, 3 * RUN_DEADLINE_S) == "success"
+    run_id, state = planned_failure
+    assert state == "success"
     api = f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
     first = airflow.ok("GET", f"{api}?try_number=1")
     assert (first["try_number"], first["latest_try"], first["ti_state"]) == (1, 2, "failed"), first
