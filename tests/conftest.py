@@ -307,13 +307,13 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 # shared by all workers (once_per_run).
 XDIST_GROUPS = {
     "test_deferrable_standalone.py": "standalone-deferrable",
-    "test_pipeline_ui.py": "standalone-pipeline-ui",
     "test_pipeline.py": "pipeline-cli",
     "test_openlineage.py": "pipeline-openlineage",
 }
-# A directory whose session fixture starts a Kubernetes cluster: one cluster, never two at once
-# (its tests all on one worker), and never in make check (`slow`).
-XDIST_DIRECTORY_GROUPS = {"e2e_k8s": "e2e-k8s"}
+# Directories whose tests share a costly package- or session-scoped fixture, so they run on one worker
+# and never in make check (`slow`): the e2e suite's Kubernetes cluster (one cluster, never two at
+# once), the `airflow standalone` of the pipeline's UI and approval tests (tests/pipeline_ui).
+XDIST_DIRECTORY_GROUPS = {"e2e_k8s": "e2e-k8s", "pipeline_ui": "standalone-pipeline"}
 # Fixtures that start a process (airflow db migrate, mlflow server, a training group): a test that
 # uses one is `slow` whatever its own marks say (make check's guard would fail it otherwise).
 PROCESS_FIXTURES = {"airflow_db", "mlflow_server", "uninterrupted", "crashed_run"}

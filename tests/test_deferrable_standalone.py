@@ -183,7 +183,8 @@ def test_deferrable_pipeline_succeeds_run_after_run(airflow: Standalone) -> None
     pipeline = airflow.for_dag(PIPELINE, "train")
     # The scheduler's output of these runs only (the tests above ran on the same services).
     since = len(pipeline.output_text())
-    # Unattended: require_approval would park every run at ``approve`` (tests/test_approval.py covers it).
+    # Unattended: require_approval would park every run at ``approve`` (the approval tests of
+    # tests/pipeline_ui cover it).
     # One node: what is tested is how Airflow takes a group task's deferral and quick return, not the
     # group (a smaller one returns sooner, nearer the race; a second agent and rank cost 14 CPU-s a run).
     conf = {
@@ -202,7 +203,7 @@ def test_deferrable_pipeline_succeeds_run_after_run(airflow: Standalone) -> None
         promotion = {t: states.pop(t) for t in ("approve", "promote")}
         assert all(s == ("success", 1) for s in states.values()), f"run {n + 1}: {states}"
         # The first run's model becomes the champion; a later run's equal model does not beat it, so
-        # registration proposes nothing and the promotion is skipped (tests/test_approval.py).
+        # registration proposes nothing and the promotion is skipped (tests/pipeline_ui/test_pipeline_ui_approval.py).
         allowed = {("success", 1)} if n == 0 else {("success", 1), ("skipped", 1), ("skipped", 0)}
         assert set(promotion.values()) <= allowed, f"run {n + 1}: {promotion}"
         for task_id in ("train", "evaluate"):

@@ -1,7 +1,8 @@
 """The pipeline DAG as a user drives it: ``airflow standalone``, its REST API and its web UI.
 
 One ``airflow standalone`` (SQLite, LocalExecutor) serves the repository's ``dags/`` folder for the
-module, with the state dir (shards, checkpoints, the MLflow store) in a temporary folder:
+package (``conftest.py``: the approval tests use it after this module), with the state dir (shards,
+checkpoints, the MLflow store) in a temporary folder:
 
 - REST: a trigger whose conf breaks a Param's bounds is refused (400, naming the Param) and
   creates no DAG run;
@@ -28,7 +29,6 @@ import importlib.util
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
@@ -36,11 +36,11 @@ from urllib.parse import quote
 import pytest
 
 from tests.conftest import ROOT
-from tests.standalone import Standalone, start_standalone, wait_for
+from tests.pipeline_ui.conftest import DAG_ID, MLFLOW_UI_URL
+from tests.standalone import Standalone, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-DAG_ID = "torchrun_pipeline"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -51,8 +51,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# Distinctive, so the extra link shows it comes from [torchrun] mlflow_ui_url.
-MLFLOW_UI_URL = "http://mlflow.example.test:5000"
 RUN_DEADLINE_S = 300.0
 ARTIFACTS = Path(os.environ.get("UI_ARTIFACTS") or ROOT / ".state" / "artifacts" / "ui")
 # The training view's run: long enough to be watched (3,300 steps checkpointed every 20; 100 epochs took 25 s here).
@@ -70,20 +68,6 @@ PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox", "checkbox"]
     "require_approval": ("checkbox", "", None),  # a switch, on
     "source_uri": ("textbox", "", None),  # null: scikit-learn's digits
 }
-
-
-@pytest.fixture(scope="module")
-def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
-    root = tmp_path_factory.mktemp("pipeline-ui")
-    extra = {
-        "AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL,
-        # A task whose start the loaded API server did not answer in time (its PATCH .../run waited
-        # 33 s on SQLite) failed the whole run; tasks that set their own retries keep them.
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "1",
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "0",
-    }
-    with start_standalone(root, ROOT / "dags", DAG_ID, "train", extra_env=extra) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
