@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests import process_guard
+from tests import durations, process_guard
 from tests.chaos import matrix
 from tests.example_trainer import IMPORTS as TRAINER_IMPORTS
 from tests.example_trainer import digest, train_task
@@ -299,17 +299,21 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
 
 # -- how the session runs: the fast loop, xdist groups, the chaos report ---------------------------
 
-# Modules whose tests share one `airflow standalone` (module-scoped: started for the first test,
-# stopped after the last), so they run on one xdist worker, in file order. Everything else is
-# spread test by test: a module fixture that is cheap (an Airflow home) is then made once per
-# worker, a costly result is shared by all workers (once_per_run).
+# Modules whose tests share a costly module-scoped fixture (one `airflow standalone`, started for the
+# first test and stopped after the last; one run of the pipeline), so they run on one xdist worker,
+# in file order: spread, each worker made it again (test_pipeline's run of the pipeline through its
+# failure took 146 s on one worker and 127 s on the other). Everything else is spread test by test:
+# a module fixture that is cheap (an Airflow home) is then made once per worker, a costly result is
+# shared by all workers (once_per_run).
 XDIST_GROUPS = {
     "test_deferrable_standalone.py": "standalone-deferrable",
-    "test_pipeline_ui.py": "standalone-pipeline-ui",
+    "test_pipeline.py": "pipeline-cli",
+    "test_openlineage.py": "pipeline-openlineage",
 }
-# A directory whose session fixture starts a Kubernetes cluster: one cluster, never two at once
-# (its tests all on one worker), and never in make check (`slow`).
-XDIST_DIRECTORY_GROUPS = {"e2e_k8s": "e2e-k8s"}
+# Directories whose tests share a costly package- or session-scoped fixture, so they run on one worker
+# and never in make check (`slow`): the e2e suite's Kubernetes cluster (one cluster, never two at
+# once), the `airflow standalone` of the pipeline's UI and approval tests (tests/pipeline_ui).
+XDIST_DIRECTORY_GROUPS = {"e2e_k8s": "e2e-k8s", "pipeline_ui": "standalone-pipeline"}
 # Fixtures that start a process (airflow db migrate, mlflow server, a training group): a test that
 # uses one is `slow` whatever its own marks say (make check's guard would fail it otherwise).
 PROCESS_FIXTURES = {"airflow_db", "mlflow_server", "uninterrupted", "crashed_run"}
@@ -341,9 +345,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    estimates = durations.load()
+
     class GroupScheduling(LoadScopeScheduling):
+        """Costliest first (``tests/durations.py``): the work units (a test, or a group's tests) go out
+        longest first, each to the first worker that has room, so the workers finish close together.
+        In collection order a 3-minute test near the end of the alphabet started last."""
+
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group_of(nodeid) or nodeid
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:
+                self.ordered = True
+                cost = {
+                    scope: sum(estimates.get(n, durations.DEFAULT_S) for n in nodeids)
+                    for scope, nodeids in self.workqueue.items()
+                }
+                for scope in sorted(cost, key=lambda s: -cost[s]):  # stable: collection order among equals
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
 
     return GroupScheduling(config, log)
 

@@ -23,6 +23,7 @@ import pytest
 from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
 from airflow_torchrun.diagnosis import RankFailure
 from airflow_torchrun.storage.checkpoints import CheckpointStore
+from tests.conftest import once_per_run
 
 pytestmark = pytest.mark.slow
 
@@ -56,18 +57,29 @@ def _final(out: str) -> tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
-def test_sigterm_saves_the_next_step_and_the_resume_is_bit_identical(tmp_path: Path) -> None:
-    straight = subprocess.run(
-        _torchrun_cmd(),
-        env=_env({"TRAIN_CHECKPOINT_URI": f"file://{tmp_path}/straight"}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert straight.returncode == 0, straight.stderr[-5000:]
-    total, digest = _final(straight.stdout + straight.stderr)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
+    """The trainer's run of ``ARGS`` without a signal (2 ranks): its step count and final digest, what
+    both tests' resumed runs must end with. Once per run (``once_per_run``: the same for every worker)."""
 
+    def run(folder: Path) -> list[object]:
+        done = subprocess.run(
+            _torchrun_cmd(),
+            env=_env({"TRAIN_CHECKPOINT_URI": f"file://{folder}/straight"}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-5000:]
+        return list(_final(done.stdout + done.stderr))
+
+    total, digest = once_per_run(tmp_path_factory, "sigterm-trainer-straight", run)
+    return int(total), str(digest)
+
+
+def test_sigterm_saves_the_next_step_and_the_resume_is_bit_identical(tmp_path: Path, straight: tuple[int, str]) -> None:
+    total, digest = straight
     root = f"file://{tmp_path}/stopped"
     target = random.Random().randint(50, total - 200)
     proc = subprocess.Popen(
@@ -146,14 +158,15 @@ def _train_task(**kwargs: object) -> str:
     """
 
 
-def test_a_group_torn_down_mid_run_saves_and_the_retry_resumes_bit_identical(run_dag: object) -> None:
+def test_a_group_torn_down_mid_run_saves_and_the_retry_resumes_bit_identical(
+    run_dag: object, straight: tuple[int, str]
+) -> None:
     """The operator's own teardown (stop_group: SIGTERM to every process, SIGKILL after the grace)
-    at a random step: the ranks save the next step boundary, the retry resumes from it."""
+    at a random step: the ranks save the next step boundary, the retry resumes from it, and ends
+    with the weights of the run without a signal."""
     from airflow_torchrun.backends.local.procs import group_pids, stop_group
 
-    straight = run_dag(_train_task(retries=0), imports="from datetime import timedelta")  # type: ignore[operator]
-    assert straight.state == "success", straight.log[-4000:]
-    digest = _digest(straight.node_logs("train"))
+    _total, digest = straight
 
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
     earlier = set((state_dir / "groups").glob("*"))

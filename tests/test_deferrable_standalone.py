@@ -10,8 +10,8 @@ of this module (which says ``deferrable=True, defer_after=0`` itself) and the sh
 - a rank exiting with code 7: the task fails with the same message as in sync mode;
 - marking the deferred task failed: the triggerer calls the trigger's ``on_kill``, which tears
   the group down;
-- the shipped pipeline, several runs in a row: every group (training of ~10 s, evaluation of
-  ~5 s) defers at once (the defaults above), the worst case for Airflow 3.3.2's race, where a
+- the shipped pipeline, several runs in a row: every group (training on one node, evaluation,
+  each a few seconds) defers at once (the defaults above), the worst case for Airflow 3.3.2's race, where a
   trigger that fires within seconds re-queues the task before the scheduler has processed the
   deferring process's exit, and the scheduler then fails the task ("finished with state success,
   but the task instance's state attribute is queued"). Before the trigger waited out its settle
@@ -183,8 +183,17 @@ def test_deferrable_pipeline_succeeds_run_after_run(airflow: Standalone) -> None
     pipeline = airflow.for_dag(PIPELINE, "train")
     # The scheduler's output of these runs only (the tests above ran on the same services).
     since = len(pipeline.output_text())
-    # Unattended: require_approval would park every run at ``approve`` (tests/test_approval.py covers it).
-    conf = {"epochs": 1, "fail_at_step": 0, "quality_gate": {"accuracy": ">= 0.1"}, "require_approval": False}
+    # Unattended: require_approval would park every run at ``approve`` (the approval tests of
+    # tests/pipeline_ui cover it).
+    # One node: what is tested is how Airflow takes a group task's deferral and quick return, not the
+    # group (a smaller one returns sooner, nearer the race; a second agent and rank cost 14 CPU-s a run).
+    conf = {
+        "num_nodes": 1,
+        "epochs": 1,
+        "fail_at_step": 0,
+        "quality_gate": {"accuracy": ">= 0.1"},
+        "require_approval": False,
+    }
     for n in range(PIPELINE_RUNS):
         run_id = pipeline.trigger(conf)
         state = pipeline.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
@@ -194,7 +203,7 @@ def test_deferrable_pipeline_succeeds_run_after_run(airflow: Standalone) -> None
         promotion = {t: states.pop(t) for t in ("approve", "promote")}
         assert all(s == ("success", 1) for s in states.values()), f"run {n + 1}: {states}"
         # The first run's model becomes the champion; a later run's equal model does not beat it, so
-        # registration proposes nothing and the promotion is skipped (tests/test_approval.py).
+        # registration proposes nothing and the promotion is skipped (tests/pipeline_ui/test_pipeline_ui_approval.py).
         allowed = {("success", 1)} if n == 0 else {("success", 1), ("skipped", 1), ("skipped", 0)}
         assert set(promotion.values()) <= allowed, f"run {n + 1}: {promotion}"
         for task_id in ("train", "evaluate"):

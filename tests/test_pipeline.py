@@ -172,7 +172,8 @@ def test_the_pipeline_reports_where_its_time_went_and_that_its_resume_was_exact(
 
 
 def test_a_failing_gate_skips_registration(home):
-    conf = {"epochs": 1, "quality_gate": {"accuracy": ">= 0.999"}, "require_approval": False}
+    # One node: the gate judges the evaluation's metrics, however many nodes trained.
+    conf = {"num_nodes": 1, "epochs": 1, "quality_gate": {"accuracy": ">= 0.999"}, "require_approval": False}
     result = airflow(home, "dags", "test", DAG_ID, "-c", json.dumps(conf))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]

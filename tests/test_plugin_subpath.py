@@ -23,8 +23,8 @@ from urllib.parse import quote, urlsplit
 import pytest
 
 from tests.conftest import TINY_DDP
+from tests.pipeline_ui.test_pipeline_ui import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _missing_browser, _not_blank
 from tests.standalone import Standalone, start_standalone
-from tests.test_pipeline_ui import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _missing_browser, _not_blank
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

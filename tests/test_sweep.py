@@ -4,7 +4,7 @@ Two learning rates, one epoch each, one node: two mapped training instances, eac
 checkpoint lineage (``train~map<i>``) and MLflow run, named ``lr=<value>`` by the
 ``map_index_template``; ``pick_best`` takes the higher test accuracy and ``register_best`` registers
 that run's model. The training view of each instance lists both (one row per map index). The same
-DAG under ``airflow standalone`` is in ``tests/test_pipeline_ui.py``. About 3 minutes on two cores.
+DAG under ``airflow standalone`` is in ``tests/pipeline_ui/test_pipeline_ui.py``. About 3 minutes on two cores.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ slow data loader and a deliberately slow rank.
 
 The API runs in process here (FastAPI's test client on the plugin's app, with Airflow's real JWTs
 and ``requires_access_dag``, under a simple auth manager that denies one user one DAG);
-``tests/test_pipeline_ui.py`` drives it over HTTP under ``airflow standalone``.
+``tests/pipeline_ui/test_pipeline_ui.py`` drives it over HTTP under ``airflow standalone``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Retraining on new data: ``torchrun_retrain``'s asset watcher under ``airflow standalone``, S3 from moto.
 
 The repository's ``dags/`` with ``TORCHRUN_RETRAIN_URI=s3://moto_data@<bucket>/incoming/`` (the
-connection ``moto_data`` points at moto's server) and a 2 s poll. ``torchrun_pipeline`` stays paused,
+connection ``moto_data`` points at moto's server) and a 1 s poll. ``torchrun_pipeline`` stays paused,
 so the runs the retraining triggers wait queued and train nothing. What must hold:
 
 - the object already there when the watcher first looks triggers nothing;
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 moto_s3 = s3_fixtures.moto_s3
 DAG_ID = "torchrun_retrain"
-POLL_S = 2
+POLL_S = 1  # each check below waits out several polls: the shorter, the sooner done
 HEALTH_THRESHOLD_S = 15
 
 

@@ -1,7 +1,8 @@
 """The pipeline DAG as a user drives it: ``airflow standalone``, its REST API and its web UI.
 
 One ``airflow standalone`` (SQLite, LocalExecutor) serves the repository's ``dags/`` folder for the
-module, with the state dir (shards, checkpoints, the MLflow store) in a temporary folder:
+package (``conftest.py``: the approval tests use it after this module), with the state dir (shards,
+checkpoints, the MLflow store) in a temporary folder:
 
 - REST: a trigger whose conf breaks a Param's bounds is refused (400, naming the Param) and
   creates no DAG run;
@@ -28,7 +29,6 @@ import importlib.util
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
@@ -36,11 +36,11 @@ from urllib.parse import quote
 import pytest
 
 from tests.conftest import ROOT
-from tests.standalone import Standalone, start_standalone, wait_for
+from tests.pipeline_ui.conftest import DAG_ID, MLFLOW_UI_URL
+from tests.standalone import Standalone, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-DAG_ID = "torchrun_pipeline"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -51,8 +51,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# Distinctive, so the extra link shows it comes from [torchrun] mlflow_ui_url.
-MLFLOW_UI_URL = "http://mlflow.example.test:5000"
 RUN_DEADLINE_S = 300.0
 ARTIFACTS = Path(os.environ.get("UI_ARTIFACTS") or ROOT / ".state" / "artifacts" / "ui")
 # The training view's run: long enough to be watched (3,300 steps checkpointed every 20; 100 epochs took 25 s here).
@@ -73,17 +71,16 @@ PARAMS: dict[str, tuple[Literal["spinbutton", "combobox", "textbox", "checkbox"]
 
 
 @pytest.fixture(scope="module")
-def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
-    root = tmp_path_factory.mktemp("pipeline-ui")
-    extra = {
-        "AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL,
-        # A task whose start the loaded API server did not answer in time (its PATCH .../run waited
-        # 33 s on SQLite) failed the whole run; tasks that set their own retries keep them.
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "1",
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "0",
-    }
-    with start_standalone(root, ROOT / "dags", DAG_ID, "train", extra_env=extra) as server:
-        yield server
+def planned_failure(airflow: Standalone) -> tuple[str, str]:
+    """One run of the pipeline through its planned failure (rank 1 killed at step 30 in try 1, try 2
+    resumes from step 20), with a gate two epochs pass (about 0.87 accuracy), so the run also shows
+    the object Param arriving: its run id and end state. The REST test and the Training tab's test of
+    the failed first try both read this run (each pipeline run costs about a minute and a half)."""
+    airflow.unpause()
+    run_id = airflow.trigger(
+        {"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}, "require_approval": False}
+    )
+    return run_id, airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
 
 
 def _runs(server: Standalone) -> set[str]:
@@ -189,13 +186,10 @@ def test_ui_trigger_form_offers_the_params_and_refuses_a_bad_value(
     assert airflow.ok("GET", f"/api/v2/dags/{DAG_ID}")["is_paused"], "the form was told not to unpause the DAG"
 
 
-def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(airflow: Standalone) -> None:
-    airflow.unpause()
-    # A gate two epochs pass (about 0.87 accuracy), so the run also shows the object Param arriving.
-    run_id = airflow.trigger(
-        {"epochs": 2, "fail_at_step": 30, "quality_gate": {"accuracy": ">= 0.5"}, "require_approval": False}
-    )
-    state = airflow.wait_run_state(run_id, {"success", "failed"}, RUN_DEADLINE_S)
+def test_rest_trigger_runs_the_pipeline_through_a_planned_failure(
+    airflow: Standalone, planned_failure: tuple[str, str]
+) -> None:
+    run_id, state = planned_failure
     run_path = f"/api/v2/dags/{DAG_ID}/dagRuns/{quote(run_id)}"
     tis = airflow.ok("GET", f"{run_path}/taskInstances")["task_instances"]
     states = {t["task_id"]: (t["state"], t["try_number"]) for t in tis}
@@ -426,7 +420,9 @@ def _earlier_try_frame_checks(frame: Any, expect: Any, doc: dict[str, Any]) -> N
 
 
 @pytest.mark.timeout(1500)
-def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Standalone) -> None:
+def test_ui_training_view_tells_the_truth_about_a_failed_first_try(
+    airflow: Standalone, planned_failure: tuple[str, str]
+) -> None:
     missing = _missing_browser()
     if missing and os.environ.get("CI"):
         pytest.fail(f"CI must run the UI test: {missing}")
@@ -437,9 +433,8 @@ def test_ui_training_view_tells_the_truth_about_a_failed_first_try(airflow: Stan
 
     expect.set_options(timeout=60_000)  # a loaded machine's first render took longer than the default 5 s
 
-    airflow.unpause()
-    run_id = airflow.trigger({"epochs": 2, "fail_at_step": 30, "require_approval": False})
-    assert airflow.wait_run_state(run_id, {"success", "failed"}, 3 * RUN_DEADLINE_S) == "success"
+    run_id, state = planned_failure
+    assert state == "success"
     api = f"/torchrun/api/v1/dags/{DAG_ID}/dagRuns/{quote(run_id, safe='')}/taskInstances/train"
     first = airflow.ok("GET", f"{api}?try_number=1")
     assert (first["try_number"], first["latest_try"], first["ti_state"]) == (1, 2, "failed"), first

@@ -1,6 +1,7 @@
 """Approval before promotion: the shipped pipeline under ``airflow standalone`` with ``require_approval`` on.
 
-One ``airflow standalone`` serves the repository's ``dags/``; MLflow's store is the state dir's SQLite.
+The package's ``airflow standalone`` (``conftest.py``, after ``test_pipeline_ui.py``) serves the
+repository's ``dags/``; MLflow's store is the state dir's SQLite, its registry emptied for these tests.
 Three runs, each better trained than the last (1, 3, then 5 epochs on one node):
 
 - run 1: the approval task waits (``awaiting_input``) with a Markdown body comparing the candidate with
@@ -23,30 +24,35 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.standalone import Standalone, start_standalone, wait_for
-from tests.test_pipeline_ui import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _login, _missing_browser, _not_blank
+from tests.pipeline_ui.conftest import DAG_ID, MLFLOW_UI_URL
+from tests.pipeline_ui.test_pipeline_ui import (
+    ARTIFACTS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    _login,
+    _missing_browser,
+    _not_blank,
+)
+from tests.standalone import Standalone, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-DAG_ID = "torchrun_pipeline"
 MODEL = "digits-mlp"
 RUN_DEADLINE_S = 400.0
-MLFLOW_UI_URL = "http://mlflow.example.test:5000"
 
 
 @pytest.fixture(scope="module")
-def airflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalone]:
-    root = tmp_path_factory.mktemp("approval")
-    extra = {
-        "AIRFLOW__TORCHRUN__MLFLOW_UI_URL": MLFLOW_UI_URL,
-        # The loaded API server answered a task's first start after 33-55 s: one retry for that.
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRIES": "1",
-        "AIRFLOW__CORE__DEFAULT_TASK_RETRY_DELAY": "0",
-    }
-    with start_standalone(root, ROOT / "dags", DAG_ID, "approve", extra_env=extra) as server:
-        server.unpause()
-        yield server
+def airflow(airflow: Standalone) -> Iterator[Standalone]:
+    """The package's services with ``approve`` as the helpers' task, and a registry without the model:
+    the versions the package's other runs registered (and their champion) are deleted first, so the
+    story starts at "champion: none yet" and version 1. The pipeline is paused again afterwards,
+    as the services were started."""
+    client = _registry(airflow)
+    if client is not None and client.search_registered_models(f"name = '{MODEL}'"):
+        client.delete_registered_model(MODEL)
+    airflow.unpause()
+    yield airflow.for_dag(DAG_ID, "approve")
+    airflow.ok("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": True})
 
 
 def _conf(epochs: int) -> dict[str, Any]:
@@ -72,13 +78,20 @@ def _wait_for_approval_request(server: Standalone, run_id: str) -> dict[str, Any
     return dict(server.ok("GET", _hitl_path(run_id)))
 
 
-def _champion(server: Standalone) -> int | None:
+def _registry(server: Standalone) -> Any:
+    """An MLflow client of the state dir's store; None while no task has made it."""
     from mlflow import MlflowClient
+
+    path = server.state_dir / "mlflow" / "mlflow.db"
+    return MlflowClient(f"sqlite:///{path}", registry_uri=f"sqlite:///{path}") if path.exists() else None
+
+
+def _champion(server: Standalone) -> int | None:
     from mlflow.exceptions import MlflowException
 
-    uri = f"sqlite:///{server.state_dir}/mlflow/mlflow.db"
+    client = _registry(server)
     try:
-        return int(MlflowClient(uri, registry_uri=uri).get_model_version_by_alias(MODEL, "champion").version)
+        return None if client is None else int(client.get_model_version_by_alias(MODEL, "champion").version)
     except MlflowException:
         return None
 
