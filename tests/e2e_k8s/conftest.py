@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -207,7 +208,8 @@ def nothing_left(deployment: str) -> None:
 
 class Recorder:
     """What the cluster said about one deployment's Jobs and Pods while a test ran: every distinct
-    Job condition and pod state seen, polled once a second (the objects are gone afterwards)."""
+    Job condition and pod state seen, polled once a second (the objects are gone afterwards), and the
+    most Jobs of it seen running at once (not finished, not being deleted)."""
 
     def __init__(self, deployment: str) -> None:
         import threading
@@ -216,6 +218,8 @@ class Recorder:
         self.job_conditions: dict[str, list[dict[str, Any]]] = {}
         self.pod_states: dict[str, list[dict[str, Any]]] = {}
         self.nodes: dict[str, str] = {}
+        self.jobs: list[str] = []  # every Job seen, in the order first seen
+        self.most_jobs_running = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -234,10 +238,14 @@ class Recorder:
                 items = kube.kubectl_json("get", "jobs,pods", "-n", NAMESPACE, "-l", selector, timeout=20)["items"]
             except (RuntimeError, subprocess.TimeoutExpired, ValueError):
                 continue
+            running = [obj["metadata"]["name"] for obj in items if obj["kind"] == "Job" and job_running(obj)]
+            self.most_jobs_running = max(self.most_jobs_running, len(running))
             for obj in items:
                 name = obj["metadata"]["name"]
                 status = obj.get("status", {})
                 if obj["kind"] == "Job":
+                    if name not in self.jobs:
+                        self.jobs.append(name)
                     for cond in status.get("conditions", []):
                         seen = self.job_conditions.setdefault(name, [])
                         if cond not in seen:
@@ -256,3 +264,101 @@ class Recorder:
                     seen = self.pod_states.setdefault(name, [])
                     if snapshot not in seen:
                         seen.append(snapshot)
+
+
+def job_running(job: dict[str, Any]) -> bool:
+    """A Job that may still have ranks at work: not being deleted, no final (or failing) condition."""
+    if job["metadata"].get("deletionTimestamp"):
+        return False
+    done = {"Complete", "Failed", "FailureTarget", "SuccessCriteriaMet"}
+    return not any(c["type"] in done and c["status"] == "True" for c in job.get("status", {}).get("conditions", []))
+
+
+# -- the shipped trainer as one training task, and its uninterrupted result ---------------------
+FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
+STEP = re.compile(r"step (\d+)/")
+TRAINER = "/opt/trainer/train.py"
+# 264 steps on two 1-CPU pods, about 8 s of training; a checkpoint every 20 steps.
+TRAINER_ARGS = ["--epochs", "12", "--checkpoint-every", "20", "--log-every", "20"]
+# 3300 steps, about a minute: long enough to look at, and to kill something beside it.
+LONG_TRAINER_ARGS = ["--epochs", "150", "--checkpoint-every", "100", "--log-every", "20"]
+
+
+class Code(str):
+    """An operator argument written into the DAG file as it is (``Code("timedelta(0)")``)."""
+
+
+def training_dag(dag_id: str, **operator: Any) -> str:
+    """A DAG of one ``DistributedTrainingOperator`` (the shipped trainer on two nodes of the cluster's
+    ``cpu`` runtime); ``operator`` adds or overrides its arguments (Python literals)."""
+    arguments: dict[str, Any] = {
+        "task_id": "train",
+        "backend": "kubernetes",
+        "runtime": "cpu",
+        "script": TRAINER,
+        "script_args": TRAINER_ARGS,
+        "num_nodes": 2,
+        "nproc_per_node": 1,
+        "track": False,
+        "retries": 0,
+        "startup_timeout": 300,
+        **operator,
+    }
+    rendered = ", ".join(f"{k}={v if isinstance(v, Code) else repr(v)}" for k, v in arguments.items())
+    return textwrap.dedent(
+        f"""
+        import pendulum
+        from datetime import timedelta
+        from airflow.sdk import DAG
+        from airflow_torchrun import DistributedTrainingOperator
+
+        with DAG({dag_id!r}, schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False):
+            DistributedTrainingOperator({rendered})
+        """
+    )
+
+
+_UNINTERRUPTED: dict[tuple[str, ...], tuple[str, str]] = {}
+
+
+def uninterrupted(airflow: Airflow, script_args: list[str] = TRAINER_ARGS) -> tuple[str, str]:
+    """The final step and weights digest of the training task run with nothing in its way (once per
+    session and arguments, through ``airflow dags test`` on the cluster): what every interrupted run
+    with the same arguments must end with."""
+    key = tuple(script_args)
+    if key not in _UNINTERRUPTED:
+        dag_id = f"uninterrupted_{len(_UNINTERRUPTED)}"
+        airflow.write_dag(dag_id, training_dag(dag_id, script_args=list(script_args)))
+        run = airflow.dags_test(dag_id)
+        assert run.state("train") == "success", run.output[-5000:]
+        found = FINAL.findall(run.output)
+        assert found, run.output[-5000:]
+        _UNINTERRUPTED[key] = found[-1]
+    return _UNINTERRUPTED[key]
+
+
+def last_step(pod_log: str) -> int:
+    return max((int(s) for s in STEP.findall(pod_log)), default=0)
+
+
+def group_pods(deployment: str) -> list[dict[str, Any]]:
+    items = kube.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", f"airflow-torchrun/deployment={deployment}")
+    return list(items["items"])
+
+
+def pod_log(pod: str) -> str:
+    return kube.kubectl("logs", "-n", NAMESPACE, pod, "-c", "trainer", check=False, timeout=30)
+
+
+def wait_for_step(deployment: str, step: int, deadline_s: float = 600) -> dict[str, dict[str, Any]]:
+    """Wait until node 0's pod of the deployment's running group has logged ``step`` (or later);
+    the running pods by completion index."""
+    deadline = time.monotonic() + deadline_s
+    by_index: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        running = [p for p in group_pods(deployment) if p["status"].get("phase") == "Running"]
+        by_index = {p["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index", ""): p for p in running}
+        if "0" in by_index and last_step(pod_log(by_index["0"]["metadata"]["name"])) >= step:
+            return by_index
+        time.sleep(1)
+    raise AssertionError(f"no pod of {deployment} reached step {step} in {deadline_s:.0f}s (running: {list(by_index)})")

@@ -4,6 +4,7 @@ sent with the identity of the Airflow connection (so the documented Role allows 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,6 @@ import yaml
 
 from cluster.build import binary
 from cluster.layout import NAMESPACE, state
-
-from .conftest import Airflow
 
 VARIANTS = {
     "plain": "",
@@ -36,6 +35,29 @@ RUNTIMES = {
 }
 
 
+@pytest.fixture(scope="module")
+def render_env(cluster_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Path]:
+    """What ``airflow-torchrun render`` needs: the cluster's settings, a DAGs folder, and no metadata
+    database (it reads none); the runtimes file with every runtime of :data:`RUNTIMES`."""
+    root = tmp_path_factory.mktemp("dry-run")
+    base = yaml.safe_load(Path(cluster_env["AIRFLOW__TORCHRUN__RUNTIMES_FILE"]).read_text())["cpu"]
+    runtimes = {name: {**base, **extra} for name, extra in RUNTIMES.items()}
+    if not runtimes["placed"]["priority_class"]:
+        del runtimes["placed"]["priority_class"]
+    (root / "runtimes.yaml").write_text(yaml.safe_dump(runtimes))
+    (root / "dags").mkdir()
+    env = {
+        **os.environ,
+        **cluster_env,
+        "AIRFLOW_HOME": str(root / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__TORCHRUN__RUNTIMES_FILE": str(root / "runtimes.yaml"),
+        "AIRFLOW__TORCHRUN__DEPLOYMENT": "e2e-dry-run",
+    }
+    return env, root / "dags"
+
+
 def dag_source(runtime: str, extra: str) -> str:
     return f"""
 from datetime import timedelta
@@ -53,15 +75,12 @@ with DAG("dry_run", schedule=None, start_date=pendulum.datetime(2026, 1, 1), cat
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("runtime", sorted(RUNTIMES))
-def test_the_api_server_accepts_what_we_render(airflow: Airflow, tmp_path: Path, runtime: str, variant: str) -> None:
-    base = yaml.safe_load(Path(airflow.env["AIRFLOW__TORCHRUN__RUNTIMES_FILE"]).read_text())["cpu"]
-    runtimes = {name: {**base, **extra} for name, extra in RUNTIMES.items()}
-    if not runtimes["placed"]["priority_class"]:
-        del runtimes["placed"]["priority_class"]
-    runtimes_file = tmp_path / "runtimes.yaml"
-    runtimes_file.write_text(yaml.safe_dump(runtimes))
-    dag = airflow.write_dag("dry_run", dag_source(runtime, VARIANTS[variant]))
-    env = {**airflow.env, "AIRFLOW__TORCHRUN__RUNTIMES_FILE": str(runtimes_file)}
+def test_the_api_server_accepts_what_we_render(
+    render_env: tuple[dict[str, str], Path], runtime: str, variant: str
+) -> None:
+    env, dags = render_env
+    dag = dags / f"dry_run_{runtime}_{variant}.py"
+    dag.write_text(dag_source(runtime, VARIANTS[variant]))
     rendered = subprocess.run(
         [
             sys.executable,

@@ -16,45 +16,7 @@ import pytest
 from cluster import kube
 from cluster.layout import NAMESPACE
 
-from .conftest import Airflow
-
-LONG = """
-import pendulum
-from airflow.sdk import DAG
-from airflow_torchrun import DistributedTrainingOperator
-
-with DAG("{dag_id}", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False):
-    DistributedTrainingOperator(
-        task_id="train", backend="kubernetes", runtime="cpu", script="/opt/trainer/train.py",
-        script_args=["--epochs", "12", "--checkpoint-every", "20", "--log-every", "20"],
-        num_nodes=2, nproc_per_node=1, track=False, retries=0, max_preemptions=1, startup_timeout=300,
-        deferrable={deferrable}, defer_after=0,
-    )
-"""
-FINAL = re.compile(r"FINAL step=(\d+) weights_sha256=([0-9a-f]{64})")
-# The uninterrupted run's final step and weights digest, made once per session.
-_UNINTERRUPTED: dict[str, tuple[str, str]] = {}
-
-
-def uninterrupted(airflow: Airflow) -> tuple[str, str]:
-    if "digest" not in _UNINTERRUPTED:
-        airflow.write_dag("uninterrupted", LONG.format(dag_id="uninterrupted", deferrable=False))
-        run = airflow.dags_test("uninterrupted")
-        assert run.state("train") == "success", run.output[-5000:]
-        found = FINAL.findall(run.output)
-        assert found, run.output[-5000:]
-        _UNINTERRUPTED["digest"] = found[-1]
-    return _UNINTERRUPTED["digest"]
-
-
-def group_pods(deployment: str) -> list[dict[str, Any]]:
-    items = kube.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", f"airflow-torchrun/deployment={deployment}")
-    return list(items["items"])
-
-
-def committed_checkpoint(pod: str) -> bool:
-    log = kube.kubectl("logs", "-n", NAMESPACE, pod, "-c", "trainer", check=False)
-    return bool(re.search(r"step (2\d|[3-9]\d)/", log))
+from .conftest import FINAL, Airflow, group_pods, last_step, pod_log, training_dag, uninterrupted
 
 
 def take_away(deployment: str, how: str, seen: dict[str, Any]) -> None:
@@ -64,7 +26,7 @@ def take_away(deployment: str, how: str, seen: dict[str, Any]) -> None:
         pods = group_pods(deployment)
         running = [p for p in pods if p["status"].get("phase") == "Running"]
         by_index = {p["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index"): p for p in running}
-        if "0" in by_index and "1" in by_index and committed_checkpoint(by_index["0"]["metadata"]["name"]):
+        if "0" in by_index and "1" in by_index and last_step(pod_log(by_index["0"]["metadata"]["name"])) >= 20:
             victim = by_index["1"]["metadata"]["name"]
             seen["victim"] = victim
             seen["nodes"] = sorted(p["spec"].get("nodeName", "") for p in running)
@@ -107,7 +69,7 @@ def test_a_pod_taken_away_mid_run_relaunches_the_group_within_the_try(
     airflow: Airflow, how: str, deferrable: bool
 ) -> None:
     expected = uninterrupted(airflow)
-    airflow.write_dag("preempted", LONG.format(dag_id="preempted", deferrable=deferrable))
+    airflow.write_dag("preempted", training_dag("preempted", max_preemptions=1, deferrable=deferrable, defer_after=0))
     seen: dict[str, Any] = {}
     worker = threading.Thread(
         target=take_away, args=(airflow.env["AIRFLOW__TORCHRUN__DEPLOYMENT"], how, seen), daemon=True
