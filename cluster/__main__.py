@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="print the environment an Airflow process needs for this cluster")
     sub.add_parser("image", help="build the trainer image and import it into every node")
     sub.add_parser("missing", help="print the components not in the cache yet (exit 1 when any is missing)")
+    lose = sub.add_parser("lose-node", help="kill a node's kubelet and every process of its pods (a node lost)")
+    lose.add_argument("node", help="atr-node-0 or atr-node-1")
+    restore = sub.add_parser("restore-node", help="start a lost node's kubelet again; wait until it is Ready")
+    restore.add_argument("node")
     b = sub.add_parser("build", help="build (or reuse) the binaries only")
     b.add_argument("components", nargs="*")
     args = parser.parse_args(argv)
@@ -39,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         missing = build.missing()
         print(" ".join(missing))
         return 1 if missing else 0
+    elif args.command == "lose-node":
+        up.lose_node(args.node)
+    elif args.command == "restore-node":
+        up.restore_node(args.node)
     elif args.command == "build":
         build.build_all(args.components or None)
     print(f"[cluster] {args.command}: {time.monotonic() - started:.0f}s", file=sys.stderr)

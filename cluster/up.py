@@ -284,6 +284,41 @@ def up(*, image: bool = True, kueue: bool = True) -> None:
     print(f"# everything an Airflow process needs for this cluster: source {env_file}")
 
 
+def lose_node(name: str) -> list[int]:
+    """A node lost as a power cut loses it: its kubelet and every process of its pods SIGKILLed at
+    once (its containerd stays, as a disk outlives a reboot). The API server hears nothing: the node
+    goes NotReady once the controller manager's grace period passes. The PIDs killed."""
+    node = _node(name)
+    st = state()
+    procs = Processes(st)
+    victims = [p for p in (procs.pid(f"kubelet-{node.name}"),) if p is not None]
+    victims += cgroup_pids(f"{st.cgroup}/{node.name}")
+    kill(victims)
+    (st.pids / f"kubelet-{node.name}.pid").unlink(missing_ok=True)
+    say(f"{node.name} lost: kubelet and {len(victims) - 1} pod process(es) killed")
+    return victims
+
+
+def restore_node(name: str) -> None:
+    """Start a lost node's kubelet again and wait until the node is Ready."""
+    node = _node(name)
+    st = state()
+    node_up(st, Processes(st), node)
+    deadline = time.monotonic() + 180
+    while node.name not in ready_nodes():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{node.name} not Ready 180s after its kubelet started; see {st.logs}")
+        time.sleep(1)
+    say(f"{node.name} Ready again")
+
+
+def _node(name: str) -> Node:
+    for node in NODES:
+        if node.name == name:
+            return node
+    raise SystemExit(f"no node {name!r}: the cluster's nodes are {', '.join(n.name for n in NODES)}")
+
+
 def down() -> None:
     st = state()
     procs = Processes(st)
