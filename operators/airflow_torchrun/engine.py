@@ -272,8 +272,10 @@ class RunEngine:
         return self.launch(0, env), Launches()
 
     def _contract_env(self, launch: int) -> Mapping[str, str]:
+        """The rank contract of a launch: the first one's checked (the preflight), a relaunch's only
+        read again where it changes (the resume point): the try checked storage and tracking once."""
         self.timeline.mark(Mark.CONTRACT_STARTED, time.time(), launch)
-        env = self.contract.env()
+        env = self.contract.env() if launch == 0 else self.contract.relaunch_env()
         self.timeline.mark(Mark.CONTRACT_READY, time.time(), launch)
         return env
 
