@@ -82,17 +82,23 @@ def test_an_in_try_restart_is_a_second_launch_on_the_timeline(run_dag, tiny_scri
     # The script fails at step 2 on every launch: the restart is spent, then the try fails.
     assert result.state == "failed", result.log[-3000:]
     marks = _marks(result)
+    # The relaunch is started held during launch 0's teardown; its gate opens once the teardown is
+    # done and the rank contract (the resume point) was resolved.
     assert _in_order(
         marks,
         ("launched", 0),
         ("ended", 0),
+        ("launch_started", 1),
+        ("launched", 1),
         ("teardown_done", 0),
         ("relaunch", 0),
         ("contract_started", 1),
-        ("launched", 1),
+        ("contract_ready", 1),
+        ("gate_opened", 1),
         ("ended", 1),
         ("try_ended", -1),
     ), marks
+    assert ("withdrawn", 1) not in marks and ("launched", 2) not in marks, marks  # no budget left: none held
     relaunch = Timeline.from_list(result.xcom("train", key="timeline")).first(Mark.RELAUNCH)
     assert (
         relaunch is not None

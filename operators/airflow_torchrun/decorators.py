@@ -376,6 +376,12 @@ class FunctionContract(TrainingContract):
         self.io.preflight("clearing an earlier launch's result", self._remove_result)
         return {**env, **function_env}
 
+    def relaunch_env(self) -> dict[str, str]:
+        """Training's, and the result of the launch before cleared (it is gone: nothing writes it now)."""
+        env = super().relaunch_env()
+        self.io.preflight("clearing an earlier launch's result", self._remove_result)
+        return {**env, **self._function_env(self.result_uri, False)}
+
     def finish(self, handle: GroupHandle, verdict: Verdict, spec: GroupSpec) -> Any:
         """Rank 0's return value; the training summary goes to the XCom key ``training_summary``."""
         summary = super().finish(handle, verdict, spec)

@@ -28,6 +28,7 @@ from airflow_torchrun.progress import ProgressThresholds
 from airflow_torchrun.status import NodePhase, Outcome
 from airflow_torchrun.timeline import XCOM_TIMELINE, Mark, Timeline
 from airflow_torchrun.watch import Note, Verdict, Watch, WatchConfig, watch_sync
+from airflow_torchrun.wiring import gate_env
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import Backend
@@ -195,6 +196,7 @@ class RunEngine:
     contract: RankContract  # its env is resolved anew for every launch (its resume point)
     deadline: float | None = None  # epoch: the task's execution_timeout
     handle: GroupHandle | None = None
+    held: GroupHandle | None = None  # a relaunch started during a teardown, its ranks held at a gate
     killed: bool = False
     timeline: Timeline = field(default_factory=Timeline)
     result: Any = None  # the contract's result once the try succeeded (OpenLineage's facets read it)
@@ -275,8 +277,10 @@ class RunEngine:
         return self.launch(0, env), Launches()
 
     def _contract_env(self, launch: int) -> Mapping[str, str]:
+        """The rank contract of a launch: the first one's checked (the preflight), a relaunch's only
+        read again where it changes (the resume point): the try checked storage and tracking once."""
         self.timeline.mark(Mark.CONTRACT_STARTED, time.time(), launch)
-        env = self.contract.env()
+        env = self.contract.env() if launch == 0 else self.contract.relaunch_env()
         self.timeline.mark(Mark.CONTRACT_READY, time.time(), launch)
         return env
 
@@ -305,9 +309,16 @@ class RunEngine:
             raise
         return handle
 
-    def _announce(self, handle: GroupHandle, master_addr: str, master_port: int) -> None:
+    def _announce(self, handle: GroupHandle, master_addr: str, master_port: int, *, during: str = "") -> None:
+        """``during``: the group whose teardown a held launch overlaps (its ranks wait at the gate)."""
+        held = (
+            f"; a restart is likely: started during the teardown of group {during}, its ranks held before the "
+            "script until that group is gone and the resume point read"
+            if during
+            else ""
+        )
         self.log.info(
-            "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s",
+            "Launched group %s on backend %s: %d node(s) x %d proc(s), world size %d, rendezvous %s:%s%s",
             handle.group_id,
             self.backend.name,
             self.spec.num_nodes,
@@ -315,7 +326,12 @@ class RunEngine:
             self.spec.world_size,
             master_addr,
             master_port,
+            held,
         )
+        if not during:
+            self._log_locations(handle)
+
+    def _log_locations(self, handle: GroupHandle) -> None:
         for path in self.backend.log_locations(handle):
             self.log.info("Group %s log: %s", handle.group_id, path)
 
@@ -347,35 +363,125 @@ class RunEngine:
                 verdict = self.watch(handle, launches, defer)
             self._exited(handle, verdict)
             self.timeline.mark(Mark.ENDED, time.time(), handle.relaunch, outcome=verdict.outcome.value)
-            # The ranks' records for the goodput ledger: after the teardown where the logs outlive it,
-            # so that a rank still exiting when a peer's failure ended the group has written its last
-            # window (its exit flushes it); before it where the logs go with the group (pods).
-            outlive = self.backend.logs_outlive_teardown
-            if not outlive:
-                self.close_books(handle)
-            self.settle(handle, verdict)
-            if outlive:
-                self.close_books(handle)
-            self._ranks_account(handle)
-            relaunch = (
-                self.backend.relaunch_reason(handle, verdict.group_status())
-                if verdict.outcome is Outcome.FAILED
-                else None
-            )
-            why, why_not = launches.decide(
-                handle.group_id, relaunch, verdict, self.settings, functools.partial(self.failure, handle, verdict)
-            )
-            if why_not:
-                self.log.warning("Group %s: %s", handle.group_id, why_not)
-            if why is None:
-                return handle, verdict
-            kind = launches.history[-1]["kind"] if launches.history else ""
-            self.timeline.mark(Mark.RELAUNCH, time.time(), handle.relaunch, kind=kind, why=why)
+            held = self._start_held(handle, verdict, launches)
+            try:
+                why = self._settle_and_decide(handle, verdict, launches)
+                if why is None:
+                    self._withdraw(held, "no relaunch after all")
+                    return handle, verdict
+                kind = launches.history[-1]["kind"] if launches.history else ""
+                self.timeline.mark(Mark.RELAUNCH, time.time(), handle.relaunch, kind=kind, why=why)
+                self.log.warning(
+                    "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
+                )
+                self.push(XCOM_LAUNCHES, launches.to_dict())
+                if held is not None and held.relaunch != launches.count:  # not the launch it was started as
+                    self._withdraw(held, f"started as launch {held.relaunch}, but this is launch {launches.count}")
+                    held = None
+                handle = self.launch(launches.count) if held is None else self._release(held)
+            except BaseException:
+                self._withdraw(held, "the try stopped before its gate opened", quiet=True)
+                raise
+            verdict = None
+
+    def _settle_and_decide(self, handle: GroupHandle, verdict: Verdict, launches: Launches) -> str | None:
+        """Tear the ended group down, account for it, and decide: why it is relaunched, or None."""
+        # The ranks' records for the goodput ledger: after the teardown where the logs outlive it,
+        # so that a rank still exiting when a peer's failure ended the group has written its last
+        # window (its exit flushes it); before it where the logs go with the group (pods).
+        outlive = self.backend.logs_outlive_teardown
+        if not outlive:
+            self.close_books(handle)
+        self.settle(handle, verdict)
+        if outlive:
+            self.close_books(handle)
+        self._ranks_account(handle)
+        relaunch = (
+            self.backend.relaunch_reason(handle, verdict.group_status()) if verdict.outcome is Outcome.FAILED else None
+        )
+        why, why_not = launches.decide(
+            handle.group_id, relaunch, verdict, self.settings, functools.partial(self.failure, handle, verdict)
+        )
+        if why_not:
+            self.log.warning("Group %s: %s", handle.group_id, why_not)
+        return why
+
+    # -- a relaunch held at a gate during the teardown -------------------------------------------
+    def _start_held(self, handle: GroupHandle, verdict: Verdict, launches: Launches) -> GroupHandle | None:
+        """When a restart is likely: the next launch started now, while ``handle`` is torn down, its
+        ranks held before the script (their interpreters and imports overlap the teardown) until
+        :meth:`_release` hands them the rank contract, resolved once ``handle`` is gone. None when a
+        restart is not likely, the backend cannot hold ranks, or the start failed (the relaunch then
+        launches after the teardown, as it would have). The decision itself is still taken after the
+        teardown, from the whole story; a held launch it does not use is withdrawn."""
+        s = self.settings
+        likely = verdict.outcome in (Outcome.FAILED, Outcome.PROGRESS_TIMEOUT) and launches.restarts < s.max_restarts
+        if self.killed or not likely:
+            return None
+        relaunch = launches.count + 1
+        try:
+            plan = self.backend.plan_gated(self.spec, self.identity(relaunch))
+            if plan is None:
+                return None
+            if verdict.outcome is Outcome.FAILED and permanent_failure(
+                self.backend.explain(handle, verdict.group_status()), s
+            ):
+                return None  # a failure no restart follows (its story as far as it is known now)
+            started = time.time()
+            held = self.backend.launch(plan, watch_caller=not s.deferrable)
+        except Exception as exc:  # only a head start: the relaunch launches after the teardown instead
             self.log.warning(
-                "Group %s: %s; relaunching (launch %d of this try)", handle.group_id, why, launches.count + 1
+                "Group %s: could not start its relaunch during its teardown (%s); it would start after it",
+                handle.group_id,
+                exc,
             )
-            self.push(XCOM_LAUNCHES, launches.to_dict())
-            handle, verdict = self.launch(launches.count), None
+            return None
+        self.held = held
+        self.timeline.mark(Mark.LAUNCH_STARTED, started, relaunch, held=True)
+        self.timeline.mark(Mark.LAUNCHED, time.time(), relaunch, group_id=held.group_id, held=True)
+        self._announce(held, plan.master_addr, plan.master_port, during=handle.group_id)
+        return held
+
+    def _release(self, held: GroupHandle) -> GroupHandle:
+        """Open the held launch's gate with the rank contract resolved now (the group before is gone:
+        the resume point is what its save on SIGTERM committed); it is the try's group from now on."""
+        env = self._contract_env(held.relaunch)
+        if self.killed:  # on_kill came while the contract was resolved: nothing runs
+            raise AirflowException(f"Group {held.group_id} was not released: the task was killed (on_kill)")
+        self._calm(
+            f"opening the gate of group {held.group_id}", lambda: self.backend.open_gate(held, gate_env(self.spec, env))
+        )
+        self.held, self.handle = None, held
+        self.timeline.mark(Mark.GATE_OPENED, time.time(), held.relaunch)
+        try:
+            self.push(XCOM_GROUP, held.to_dict())
+            self.push(XCOM_TIMELINE, self.timeline.to_list())
+        except BaseException:
+            self.settle(held)  # a group nobody watches must not run on
+            raise
+        self.log.info(
+            "Group %s: gate opened, its ranks run (started %.1fs ago, during the teardown before it)",
+            held.group_id,
+            time.time() - held.launched_at,
+        )
+        self._log_locations(held)
+        return held
+
+    def _withdraw(self, held: GroupHandle | None, why: str, *, quiet: bool = False) -> None:
+        """Tear down a held launch whose gate never opened (idempotent: only while it is held).
+        ``quiet``: on the way out of an error, a teardown that fails only logs (the error is the story)."""
+        if held is None or self.held is not held:
+            return
+        self.held = None
+        self.timeline.mark(Mark.WITHDRAWN, time.time(), held.relaunch, why=why)
+        self._publish_timeline()  # also on the way out of an error, which ends the try without a conclusion
+        self.log.info("Group %s: withdrawn before its gate opened (%s); tearing it down", held.group_id, why)
+        try:
+            self._calm(f"tearing down group {held.group_id}", lambda: self.backend.teardown(held))
+        except Exception as exc:
+            if not quiet:
+                raise
+            self.log.error("Group %s: tearing it down failed too: %s", held.group_id, exc)
 
     def watch(
         self, handle: GroupHandle, launches: Launches, defer: Callable[[GroupHandle, Launches], NoReturn] | None
@@ -653,15 +759,19 @@ class RunEngine:
         self._ledger(final=False)  # what the contract publishes (MLflow) as it ends
         self.contract.ended(handle, succeeded)
         self.timeline.mark(Mark.TRY_ENDED, time.time(), outcome="succeeded" if succeeded else "failed")
+        self._publish_timeline()
+        self._ledger(final=True)
+
+    def _publish_timeline(self) -> None:
         try:
             self.push(XCOM_TIMELINE, self.timeline.to_list())
         except Exception as exc:  # an account of the try, never a reason to fail it
             self.log.warning("Could not publish the try's timeline: %s", exc)
-        self._ledger(final=True)
 
     def kill(self) -> None:
         """``on_kill``: stop the whole group (idempotent)."""
         self.killed = True
-        if self.handle is not None:
-            self.log.info("on_kill: tearing down group %s", self.handle.group_id)
-            self.backend.teardown(self.handle)
+        for handle in (self.handle, self.held):
+            if handle is not None:
+                self.log.info("on_kill: tearing down group %s", handle.group_id)
+                self.backend.teardown(handle)

@@ -21,7 +21,9 @@ so the categories sum to the wall time:
 ``checkpoint_stall`` time ranks blocked in ``save_checkpoint``
 ``lost_work``       steps recomputed after a failure (from the resumed step to the furthest step
                     reached before), and the time a failed launch ran past its last record
-``restart_gap``     a failed group's teardown, the relaunch (within the try) or the retry (between tries)
+``restart_gap``     a failed group's teardown, the relaunch (within the try) or the retry (between tries);
+                    for a relaunch started during the teardown, until its gate opened (its ranks' spawning
+                    and imports overlapped the teardown; the ledger counts that time once, here)
 ``tail``            after the last step: the final save, uploads, the script's evaluation, the exit, the
                     operator's finish (final checkpoint, MLflow, the asset event)
 ``training``        only for a launch whose ranks printed no window of steps (a script that uses no
@@ -339,7 +341,13 @@ def try_ledger(
         stop = timeline.first(Mark.ENDED, launch)
         limit = stop.at if stop is not None else end
         if index > 0:
-            opened = timeline.first(Mark.CONTRACT_STARTED, launch) or timeline.first(Mark.LAUNCH_STARTED, launch)
+            # A relaunch started during the teardown before it ran nothing of the script's until its
+            # gate opened: the gap lasts until then (its spawning and imports hidden in the teardown).
+            opened = (
+                timeline.first(Mark.GATE_OPENED, launch)
+                or timeline.first(Mark.CONTRACT_STARTED, launch)
+                or timeline.first(Mark.LAUNCH_STARTED, launch)
+            )
             cursor.to(RESTART_GAP, opened.at if opened else None, limit)
         launched = timeline.first(Mark.LAUNCHED, launch) or timeline.first(Mark.ATTACHED, launch)
         cursor.to(LAUNCHING, launched.at if launched else None, limit)

@@ -3,7 +3,8 @@
 The run engine marks each moment of a try once it happened (wall-clock epoch seconds): the try's
 start, the rank contract resolved (storage, resume point, tracking: the preflight), each launch,
 the first output and the first step of its ranks as the watch saw them, the group's end, its
-teardown, each relaunch decision, the finish. It travels with the try (pushed to XCom ``timeline``
+teardown, each relaunch decision (a relaunch started during that teardown: its gate opened, or the
+launch withdrawn), the finish. It travels with the try (pushed to XCom ``timeline``
 at every state change, and through a deferral inside the trigger's event), so the goodput ledger,
 the per-phase timings of ``make bench`` and the training view read one account of where the time
 went. Standard library only.
@@ -27,6 +28,11 @@ class Mark(StrEnum):
     CONTRACT_READY = "contract_ready"
     LAUNCH_STARTED = "launch_started"  # asking the backend to start every node
     LAUNCHED = "launched"  # every node was started (processes spawned, Job and Service created)
+    # A relaunch started during the teardown of the launch before it (detail ``held``): its ranks
+    # hold before the script until the gate opens, once that launch is gone and the resume point read;
+    # or it is withdrawn (torn down unopened: no relaunch after all, or the try stopped).
+    GATE_OPENED = "gate_opened"
+    WITHDRAWN = "withdrawn"  # detail: why
     ATTACHED = "attached"  # an earlier try's group was attached to instead of launched
     RUNNING = "running"  # the watch first saw every node past pending (Kubernetes: pods admitted, scheduled)
     FIRST_OUTPUT = "first_output"  # the watch first saw any rank's output
@@ -100,7 +106,9 @@ class Timeline:
         return found
 
     def launches(self) -> list[int]:
-        return sorted({e.launch for e in self.events if e.launch >= 0})
+        """The launches that ran: every launch marked, less those withdrawn before their gate opened."""
+        withdrawn = {e.launch for e in self.events if e.mark is Mark.WITHDRAWN}
+        return sorted({e.launch for e in self.events if e.launch >= 0} - withdrawn)
 
     def between(self, start: Mark, end: Mark, launch: int | None = None) -> float | None:
         """Seconds from the first ``start`` to the first ``end`` after it (of one launch); None if either is missing."""

@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from airflow_torchrun.contract import CONTRACT_ENV
-from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, WORKER_ENTRY
+from airflow_torchrun.contract.launch import (
+    FUNCTION_ENTRY,
+    GATE_TIMEOUT_VAR,
+    GATE_VAR,
+    GROUP_ID_VAR,
+    NODE_RANK_VAR,
+    WORKER_ENTRY,
+)
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import RESERVED_ENV, GroupSpec
 
@@ -56,6 +63,13 @@ def threads_per_proc(spec: GroupSpec, cpus_per_node: float | None) -> int:
     return max(1, int(cpus_per_node // spec.nproc_per_node))
 
 
+def holds_at_gate(spec: GroupSpec) -> bool:
+    """Whether the ranks run a launcher of ours, which can hold them at a gate before the user's code
+    (:mod:`airflow_torchrun.worker.gate`): a ``script=`` and ``@task.torchrun``'s function do, a
+    ``command=`` of the user's does not."""
+    return spec.script is not None or tuple(spec.command[1:]) == ("-m", FUNCTION_ENTRY)
+
+
 def plan(
     spec: GroupSpec,
     identity: GroupIdentity,
@@ -66,6 +80,7 @@ def plan(
     log_dir: str | None = None,
     cpus_per_node: float | None = None,
     extra_env: Mapping[str, str] | None = None,
+    gate: str | None = None,
 ) -> GroupPlan:
     """Render every node's torchrun command and environment. Pure: no I/O, no clock.
 
@@ -74,7 +89,13 @@ def plan(
     runtime's ``env``. The user's ``spec.env`` overrides the wiring's defaults (``OMP_NUM_THREADS``,
     ``PYTHONUNBUFFERED``) and ``extra_env``, but never a contract or a reserved variable: those
     reach a rank only from the operator and the wiring, whatever ``spec.env`` holds.
+
+    ``gate``: the ranks hold before the script until a file appears there (a launch started during
+    the teardown of the group before it); only for a spec that :func:`holds_at_gate`. They wait
+    for it up to the spec's ``startup_timeout``.
     """
+    if gate is not None and not holds_at_gate(spec):
+        raise ValueError("a gate needs ranks that run a launcher of ours (script= or @task.torchrun), not a command=")
     user_env = {k: v for k, v in spec.env.items() if k not in CONTRACT_ENV and k not in RESERVED_ENV}
     group_id = identity.group_id
     nodes = []
@@ -112,6 +133,9 @@ def plan(
         env.update(user_env)
         env[GROUP_ID_VAR] = group_id
         env[NODE_RANK_VAR] = str(node_rank)
+        if gate is not None:
+            env[GATE_VAR] = gate
+            env[GATE_TIMEOUT_VAR] = f"{spec.startup_timeout:g}"
         nodes.append(NodePlan(node_rank=node_rank, argv=tuple(argv), env=env))
     return GroupPlan(
         group_id=group_id,
@@ -121,3 +145,10 @@ def plan(
         master_port=master_port,
         nodes=tuple(nodes),
     )
+
+
+def gate_env(spec: GroupSpec, extra_env: Mapping[str, str]) -> dict[str, str]:
+    """What of ``extra_env`` (the rank contract's, storage access) a held rank gets at its gate: what
+    :func:`plan` would have put in its environment, so the user's ``spec.env`` still wins over it."""
+    user = {k for k in spec.env if k not in CONTRACT_ENV and k not in RESERVED_ENV}
+    return {k: v for k, v in extra_env.items() if k not in user}

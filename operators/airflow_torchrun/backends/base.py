@@ -179,6 +179,20 @@ class Backend(Protocol[H]):
         """Start every node; raises ``GroupLaunchError`` (nothing left running) when it cannot."""
         ...
 
+    def plan_gated(self, spec: GroupSpec, identity: GroupIdentity) -> GroupPlan | None:
+        """A plan whose ranks start at once but hold before the script until :meth:`open_gate` hands
+        them the rank contract's variables (a relaunch started while the group before it is torn down:
+        its spawning and imports overlap the teardown). ``None`` (the default): this backend cannot
+        hold ranks; the engine launches after the teardown."""
+        return None
+
+    def open_gate(self, handle: H, env: Mapping[str, str]) -> None:
+        """Let the held ranks of a group launched from :meth:`plan_gated` run, with ``env`` (the rank
+        contract's, as :func:`~airflow_torchrun.wiring.gate_env` leaves it) added to each one's
+        environment. Only asked of a backend whose :meth:`plan_gated` gave a plan (none by default:
+        nothing to open)."""
+        return None
+
     def rank_storage_env(
         self, options: Mapping[str, Any], aws_conn_id: str | None, log: logging.Logger
     ) -> dict[str, str]:

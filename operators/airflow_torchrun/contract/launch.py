@@ -14,3 +14,13 @@ WORKER_ENTRY = "airflow_torchrun.worker.launch"
 FUNCTION_ENTRY = "airflow_torchrun.worker.function"
 # Written by the launcher beside torchrun's per-rank error file: the process group a rank joined.
 PROCESS_GROUP_FILE = "process_group.json"
+# A rank of a group started while the group before it is torn down holds before its script until
+# the gate (a JSON file at this path: {"env": {...}}) is there, and runs with that env added: what
+# only the group before leaves behind (the resume point its save on SIGTERM committed). Set by the
+# wiring for gated launches only; a gate not there within the timeout (seconds) ends the rank.
+GATE_VAR = "AIRFLOW_TORCHRUN_GATE"
+GATE_TIMEOUT_VAR = "AIRFLOW_TORCHRUN_GATE_TIMEOUT"
+GATE_FILE = "gate.json"
+# Written by a held rank beside torchrun's per-rank error file once its imports are done (ready at
+# the gate): {"imported_at": epoch, "rank": RANK}.
+HELD_FILE = "held.json"

@@ -90,8 +90,15 @@ class RankContract(Protocol):
     """One try's rank contract (see the module's docstring)."""
 
     def env(self) -> dict[str, str]:
-        """The variables beyond torchrun's, resolved anew for every launch (a relaunch resumes from
-        what its predecessor committed); may do I/O, checked before any rank starts."""
+        """The variables beyond torchrun's for the try's first launch; may do I/O, checked before any
+        rank starts (storage, the lineage, tracking: the preflight)."""
+        ...
+
+    def relaunch_env(self) -> dict[str, str]:
+        """A relaunch's variables within the try: :meth:`env`'s without the preflight it ran in this
+        try (storage, lineage and tracking are checked once per try), what changes read anew: the
+        resume point. Asked for once the group before is completely gone, so that the resume point
+        is what its save on SIGTERM committed."""
         ...
 
     def preview(self) -> dict[str, str]:
@@ -120,6 +127,9 @@ class GroupContract:
     """The contract of a bare group: nothing added; the result is the group's id and exit codes."""
 
     def env(self) -> dict[str, str]:
+        return {}
+
+    def relaunch_env(self) -> dict[str, str]:
         return {}
 
     def preview(self) -> dict[str, str]:

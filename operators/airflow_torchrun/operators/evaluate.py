@@ -152,15 +152,19 @@ class EvaluationContract:
             raise AirflowFailException(
                 f"{io.where}: checkpoint {self.checkpoint} is damaged ({'; '.join(problems)}); evaluate another step"
             )
-        metrics_uri = self._metrics_location()
-        io.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, metrics_uri)
+        io.log.info("Evaluating %s (step %d); metrics go to %s", self.checkpoint, ref.step, self._metrics_location())
+        return self.relaunch_env()
+
+    def relaunch_env(self) -> dict[str, str]:
+        """Every variable, without the checks of the checkpoint :meth:`env` made in this try (the
+        checkpoint evaluated is the task's argument: no launch changes it)."""
         # Storage credentials by the same rule as training's: never in plain pod env.
-        env = io.rank_storage_env()
+        env = self.io.rank_storage_env()
         env.update(
             {
                 contract.RESUME_FROM: self.checkpoint,
                 contract.EVAL_CHECKPOINT_URI: self.checkpoint,
-                contract.EVAL_METRICS_URI: metrics_uri,
+                contract.EVAL_METRICS_URI: self._metrics_location(),
             }
         )
         if self.trust_sharded or self._in_this_runs_area():

@@ -168,15 +168,33 @@ class TrainingContract:
         return preview
 
     def env(self) -> dict[str, str]:
+        """The first launch's: storage, the lineage and tracking checked (the preflight), then the
+        resume point, then the rest."""
         from airflow_torchrun.storage.checkpoints import CheckpointStore
-        from airflow_torchrun.storage.lineage import claim_lineage, resolve_resume
+        from airflow_torchrun.storage.lineage import claim_lineage
 
         io, uri = self.io, self.checkpoint_uri
         io.push(XCOM_CHECKPOINT_URI, uri)  # the training view lists its checkpoints while it runs
-        options = io.resolved_storage_options()
-        store = CheckpointStore(uri, options)
+        store = CheckpointStore(uri, io.resolved_storage_options())
         io.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
         io.preflight("checking who owns the checkpoints", lambda: claim_lineage(store, self.lineage))
+        resume = self._resume_env()
+        return {**self._launch_env(checked=False), **resume}
+
+    def relaunch_env(self) -> dict[str, str]:
+        """A relaunch's, without the preflight :meth:`env` ran in this try (the MLflow run is the one
+        it created; the contract's state carries it through a deferral); the resume point read anew."""
+        resume = self._resume_env()
+        return {**self._launch_env(checked=True), **resume}
+
+    def _resume_env(self) -> dict[str, str]:
+        """The resume point, read now (the group before is gone: what its save on SIGTERM committed
+        is there), and the lineage's failures so far (``should_checkpoint``'s input)."""
+        from airflow_torchrun.storage.checkpoints import CheckpointStore
+        from airflow_torchrun.storage.lineage import resolve_resume
+
+        io, uri = self.io, self.checkpoint_uri
+        options = io.resolved_storage_options()
         ref = io.preflight(
             "finding the checkpoint to resume from",
             lambda: resolve_resume(uri, self.resume, options, allow_outside=self.settings.resume_from_outside),
@@ -185,7 +203,7 @@ class TrainingContract:
         if ref is not None:
             io.log.info("Checkpoints: %s; resuming from %s (step %d)", uri, ref.uri, ref.step)
         else:
-            own = self._framework_checkpoint(store)
+            own = self._framework_checkpoint(CheckpointStore(uri, options))
             if own is None:
                 io.log.info("Checkpoints: %s; fresh start (resume=%s)", uri, self.resume)
             else:
@@ -200,27 +218,38 @@ class TrainingContract:
                     self.resume,
                 )
         io.push(XCOM_RESUMED_FROM, resumed)
+        return {contract.RESUME_FROM: ref.uri if ref else "", **self._interval_env()}
+
+    def _launch_env(self, *, checked: bool) -> dict[str, str]:
+        """Every variable but the resume point's. ``checked``: tracking was checked in this try (the
+        MLflow run is reused as it is); else it is checked and the run created or found."""
+        from airflow_torchrun.storage.checkpoints import CheckpointStore
+
+        io = self.io
+        store = CheckpointStore(self.checkpoint_uri, io.resolved_storage_options())
         env = io.rank_storage_env()
         env.update(
             {
                 contract.CHECKPOINT_URI: store.uri,
                 contract.CHECKPOINT_DIR: contract.checkpoint_dir(store.uri),
-                contract.RESUME_FROM: ref.uri if ref else "",
                 contract.CHECKPOINT_KEEP_LAST: str(self.settings.keep_last),
                 contract.CHECKPOINT_LINEAGE: json.dumps(
                     {**self.lineage.to_dict(), "try_number": io.ti.try_number}, sort_keys=True
                 ),
             }
         )
-        env.update(self._interval_env())
         if self.settings.trust_foreign_sharded:
             env[contract.CHECKPOINT_TRUST_SHARDED] = "1"
         if self.shard_manifest:
             env[contract.SHARD_MANIFEST] = str(self.shard_manifest)
         tracking_uri = self.settings.tracking_uri()
-        if tracking_uri is not None:
+        if tracking_uri is not None and checked and self.mlflow_run_id:
+            from airflow_torchrun.tracking import rank_env
+
+            env.update(rank_env(self.mlflow_run_id, tracking_uri))
+        elif tracking_uri is not None:
             env.update(self._tracking_env(tracking_uri))
-        else:  # the extra link finds "no run" instead of logging an error for a missing XCom
+        elif not checked:  # the extra link finds "no run" instead of logging an error for a missing XCom
             io.push(MLFLOW_RUN_URL_KEY, None)
         return env
 

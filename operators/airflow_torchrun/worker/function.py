@@ -173,9 +173,11 @@ def run(call: FunctionCall) -> Any:
 
 
 def main() -> None:
+    from airflow_torchrun.worker.gate import hold
     from airflow_torchrun.worker.launch import recorded
 
     with recorded(__file__):
+        hold()  # a rank started during the teardown before it: the gate first (its resume point)
         call = FunctionCall.from_env(os.environ)
     with recorded(call.filename):  # the traceback from the function's frame down
         run(call)

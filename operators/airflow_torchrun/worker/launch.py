@@ -19,6 +19,9 @@ Two more things for the operator, on both backends:
   without ``--use_cpu``, accelerate without ``ACCELERATE_USE_CPU=1``).
 * When the process group is ready: a progress record ``event: "rendezvous"`` on the rank's stdout
   (the goodput ledger's end of rendezvous, also for a script that uses no helper).
+* A rank of a group started during the teardown of the one before it is held at a gate before the
+  script (:mod:`airflow_torchrun.worker.gate`), its imports done; its arguments are expanded, and its
+  script run, only once the gate is open (the resume point is in the gate's variables).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any, TextIO
 
 from airflow_torchrun import contract
 from airflow_torchrun.contract.launch import PROCESS_GROUP_FILE
+from airflow_torchrun.worker.gate import Held, hold
 from airflow_torchrun.worker.progress import mark_rendezvous
 
 # Contract variables a script argument may name as ``${NAME}``; replaced on every rank.
@@ -51,6 +55,8 @@ _C10D = "torch.distributed.distributed_c10d"
 # When this rank's interpreter got to the launcher (the script's imports come next): the try's
 # timeline takes the last rank's as its ``ranks_started`` (airflow_torchrun.timeline).
 _STARTED_AT = time.time()
+# A held rank's wait at its gate (None: not held), recorded beside its process group.
+_HELD: list[Held] = []
 
 
 def expand_args(args: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
@@ -93,7 +99,8 @@ def _write_process_group(record: dict[str, Any]) -> None:
         return
     try:
         with open(path, "w") as fp:
-            json.dump({**record, "rank_env": os.environ.get("RANK", ""), "started_at": _STARTED_AT}, fp)
+            held = {"held": _HELD[0].to_dict()} if _HELD else {}
+            json.dump({**record, "rank_env": os.environ.get("RANK", ""), "started_at": _STARTED_AT, **held}, fp)
     except OSError:
         pass
 
@@ -255,15 +262,19 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m airflow_torchrun.worker.launch SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
-    sys.argv = [sys.argv[1], *expand_args(sys.argv[2:])]
-    sys.path.insert(0, os.path.dirname(script))
     watch = _ProcessGroupWatch()
-    if _C10D not in sys.modules:
+    if _C10D not in sys.modules:  # before a held rank imports torch.distributed
         sys.meta_path.insert(0, watch)
     stderr = _StderrTail(sys.stderr)
     sys.stderr = stderr
     try:
         with recorded(script, stderr):
+            held = hold()
+            if held is not None:
+                _HELD.append(held)
+            # After the gate: ${TRAIN_RESUME_FROM} is among its variables.
+            sys.argv = [sys.argv[1], *expand_args(sys.argv[2:])]
+            sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
     finally:
         if watch.joined:

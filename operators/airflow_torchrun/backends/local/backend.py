@@ -9,6 +9,7 @@ Layout of one group (one try of one task) under the state directory::
     groups/<group_id>/node-<n>/agent-error.json  torchrun's error file of the agent, if it failed
     groups/<group_id>/node-<n>/exit.json         written when the node is gone (code, signal)
     groups/<group_id>/node-<n>/torchrun/...      torchrun's per-rank logs and error files
+    groups/<group_id>/gate.json                  a held group's gate: its ranks run once it is there
 
 Everything a watcher needs is on disk, so another process (a trigger) can follow the group.
 """
@@ -43,12 +44,13 @@ from airflow_torchrun.backends.handles import (
 )
 from airflow_torchrun.backends.local.procs import group_pids, groups_running, pid_alive, signal_pids, stop_group
 from airflow_torchrun.backends.local.supervisor import RANK_FAILED_FILE, WORKERS_FILE
+from airflow_torchrun.contract.launch import GATE_FILE
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec
 from airflow_torchrun.state import state_dir as default_state_dir
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, ProgressMark
-from airflow_torchrun.wiring import GroupPlan, plan
+from airflow_torchrun.wiring import GroupPlan, holds_at_gate, plan
 
 if TYPE_CHECKING:
     from airflow_torchrun.backends.base import BackendOptions
@@ -193,6 +195,16 @@ class LocalBackend(Backend[LocalHandle]):
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str]) -> GroupPlan:
+        return self._plan(spec, identity, extra_env, gated=False)
+
+    def plan_gated(self, spec: GroupSpec, identity: GroupIdentity) -> GroupPlan | None:
+        """Held at ``<group_dir>/gate.json``; None for a ``command=`` of the user's (nothing of ours
+        runs before it to hold it)."""
+        return self._plan(spec, identity, {}, gated=True) if holds_at_gate(spec) else None
+
+    def _plan(
+        self, spec: GroupSpec, identity: GroupIdentity, extra_env: Mapping[str, str], *, gated: bool
+    ) -> GroupPlan:
         group_dir = self.state_dir / "groups" / identity.group_id
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return plan(
@@ -205,6 +217,7 @@ class LocalBackend(Backend[LocalHandle]):
             # every node shares this machine's cores
             cpus_per_node=(cpus or 1) / spec.num_nodes,
             extra_env=extra_env,
+            gate=str(group_dir / GATE_FILE) if gated else None,
         )
 
     # -- launching --------------------------------------------------------------------------
@@ -227,7 +240,9 @@ class LocalBackend(Backend[LocalHandle]):
         )
         started: list[subprocess.Popen[bytes]] = []
         try:
-            profile = self._adopt_profile(plan, group_dir)
+            profile = self._adopt_profile(
+                [str(node.env.get("AWS_CONFIG_FILE") or "") for node in plan.nodes], group_dir
+            )
             for node in plan.nodes:
                 node_dir = group_dir / f"node-{node.node_rank}"
                 node_dir.mkdir(parents=True)
@@ -262,6 +277,22 @@ class LocalBackend(Backend[LocalHandle]):
                 f"could not start group {plan.group_id} in {group_dir}: {exc}", transient=busy
             ) from exc
         return handle
+
+    def open_gate(self, handle: LocalHandle, env: Mapping[str, str]) -> None:
+        """Write the gate its held ranks look for (whole, by a rename; only its owner can read it: it
+        may hold storage credentials). A staged AWS profile moves into the group's directory first,
+        as at launch, so that the group's teardown removes it."""
+        group_dir = Path(handle.group_dir)
+        env = dict(env)
+        profile = self._adopt_profile([env.get("AWS_CONFIG_FILE") or ""], group_dir)
+        if profile is not None:
+            env["AWS_CONFIG_FILE"] = str(profile)
+        gate = group_dir / GATE_FILE
+        tmp = gate.with_name(f".{gate.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fp:
+            json.dump({"env": env, "opened_at": time.time()}, fp)
+        os.replace(tmp, gate)
 
     # -- watching ---------------------------------------------------------------------------
     def observe(self, handle: LocalHandle) -> list[NodeObservation]:
@@ -433,12 +464,11 @@ class LocalBackend(Backend[LocalHandle]):
         stop_group(group_id, grace=grace)
         _remove(Path(handle.group_dir) / GROUP_PROFILE)
 
-    def _adopt_profile(self, plan: GroupPlan, group_dir: Path) -> Path | None:
-        """The ranks' staged AWS profile, moved into this group's directory (one per group, so that
-        teardown knows what to remove); None when the plan has none."""
+    def _adopt_profile(self, named: Sequence[str], group_dir: Path) -> Path | None:
+        """The ranks' staged AWS profile (of the ``AWS_CONFIG_FILE`` values ``named``), moved into this
+        group's directory (one per group, so that teardown knows what to remove); None when none is staged."""
         staged_dir = (self.state_dir / CREDENTIALS_DIR).resolve()
-        named = sorted({str(node.env.get("AWS_CONFIG_FILE") or "") for node in plan.nodes} - {""})
-        staged = [Path(p) for p in named if Path(p).resolve().parent == staged_dir]
+        staged = [Path(p) for p in sorted(set(named) - {""}) if Path(p).resolve().parent == staged_dir]
         if not staged:
             return None
         group_dir.mkdir(parents=True, exist_ok=True)
