@@ -215,11 +215,17 @@ def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tin
         _until(lambda: _workers_running(backend, handle), what="ranks to start")
         sup = json.loads((node1 / "supervisor.json").read_text())
         (rank,) = [p for p in group_pids(handle.group_id, node_rank=1) if p not in (sup["pid"], sup["agent_pid"])]
-        os.kill(rank, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while (nodes := backend.observe(handle))[1].phase is NodePhase.RUNNING and time.monotonic() < deadline:
-            time.sleep(0.02)
-        agent_done = (node1 / "exit.json").exists()
+        # The agent is held still so that "before it has stopped" does not depend on how fast a
+        # loaded machine runs it: only the supervisor can see the rank die meanwhile.
+        os.kill(sup["agent_pid"], signal.SIGSTOP)
+        try:
+            os.kill(rank, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (nodes := backend.observe(handle))[1].phase is NodePhase.RUNNING and time.monotonic() < deadline:
+                time.sleep(0.02)
+            agent_done = (node1 / "exit.json").exists()
+        finally:
+            os.kill(sup["agent_pid"], signal.SIGCONT)
         assert nodes[1].phase is NodePhase.FAILED, nodes
         assert not agent_done, "node 1 was seen failed only once its agent had exited"
         assert nodes[1].reason == "local rank 0 was killed by SIGKILL; its torchrun agent is stopping the node"

@@ -28,13 +28,15 @@ pytestmark = pytest.mark.slow
 def once_training(action: Callable[[], None]) -> threading.Thread:
     """Run ``action`` from a thread once a group launched from now on has its rank 0 training."""
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
-    since = time.time() - 1
+    # Only groups launched from now on: an earlier test's group may still be writing its log.
+    earlier = set((state_dir / "groups").glob("*"))
 
     def watch() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
-                if node_log.stat().st_mtime >= since and "rank=0" in node_log.read_text(errors="replace"):
+            for group in set((state_dir / "groups").glob("*")) - earlier:
+                node_log = group / "node-0" / "node.log"
+                if node_log.exists() and "rank=0" in node_log.read_text(errors="replace"):
                     action()
                     return
             time.sleep(0.1)

@@ -17,13 +17,13 @@ from tests.conftest import group_processes
 pytestmark = pytest.mark.slow
 
 
-def _wait_for_group(state_dir: Path, since: float, timeout: float = 60.0) -> str:
-    """The id of the first group launched after ``since`` once all its nodes are running."""
+def _wait_for_group(state_dir: Path, earlier: set[Path], timeout: float = 60.0) -> str:
+    """The id of the first group not in ``earlier`` (those on disk before) once all its nodes are running."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for group_dir in (state_dir / "groups").glob("*"):
+        for group_dir in set((state_dir / "groups").glob("*")) - earlier:
             nodes = list(group_dir.glob("node-*"))
-            if group_dir.stat().st_mtime >= since and nodes and all((n / "supervisor.json").exists() for n in nodes):
+            if nodes and all((n / "supervisor.json").exists() for n in nodes):
                 return group_dir.name
         time.sleep(0.1)
     raise AssertionError("no group started")
@@ -161,11 +161,11 @@ def test_execution_timeout_leaves_nothing_running(run_dag, tiny_script, deferrab
 
 def test_on_kill_tears_the_group_down(run_dag, tiny_script):
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
-    since = time.time() - 1
+    earlier = set((state_dir / "groups").glob("*"))
     seen: dict[str, list[int]] = {}
 
     def kill_when_running() -> None:
-        group_id = _wait_for_group(state_dir, since)
+        group_id = _wait_for_group(state_dir, earlier)
         _wait_for_ranks(state_dir / "groups" / group_id, ranks=2)
         seen["pids"] = group_processes(group_id)
         # What Airflow's task runner receives when the task is cleared or marked failed in the UI.
