@@ -61,6 +61,8 @@ BENCHES = (
     Bench("bench_recovery.py", ("--repeats", "3"), ("--repeats", "1", "--standalone-repeats", "0")),
     Bench("bench_checkpoint.py", ("--repeat", "3"), ("--size-mb", "8", "--repeat", "1", "--epochs", "2")),
     Bench("bench_interval.py", ("--repeats", "2"), ("--repeats", "1", "--epochs", "4", "--fixed", "5")),
+    # On the cluster of `make cluster` when one runs (its rows say "not run" otherwise).
+    Bench("bench_cluster.py", ("--repeats", "3"), ("--repeats", "1")),
 )
 
 

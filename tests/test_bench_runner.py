@@ -308,3 +308,22 @@ def test_the_interval_bench_compares_each_should_checkpoint_policy_with_each_fix
     goal = [line for line in lines if line.startswith("| should_checkpoint's goodput")]
     assert len(goal) == 2 and all("| yes" in line for line in goal), goal
     assert run.better(mtbf) and not run.better({**mtbf, "ratio": 0.9})  # the chart colours it by this
+
+
+# -- bench_cluster: the rows when no cluster runs, and containerd's log timestamps -----------------
+def test_the_cluster_benchmark_says_not_run_without_a_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import bench_cluster
+
+    monkeypatch.setattr(bench_cluster.kube, "api_ready", lambda: False)
+    assert bench_cluster.main(["--json", str(tmp_path / "rows.json")]) == 0
+    written = rows.check(json.loads((tmp_path / "rows.json").read_text()))
+    assert [r["measure"] for r in written] == [m for m, _ in bench_cluster.MEASURES]
+    assert all(r["ours"] is None and "not run: no cluster running" in r["note"] for r in written)
+
+
+def test_a_kubectl_log_timestamp_is_read_to_the_nanosecond():
+    import bench_cluster
+
+    line = "2026-12-03T09:01:02.123456789Z [node 0 rank 0] step 1/270"
+    assert bench_cluster.timestamp(line) == pytest.approx(1796288462.123456789, abs=1e-6)
+    assert bench_cluster.timestamp("2026-12-03T09:01:02Z x") == pytest.approx(1796288462.0)
