@@ -690,6 +690,36 @@ class FakeKubeAPI:
                 pod["metadata"]["deletionTimestamp"] = now_rfc3339()
         self.set_terminated(ns, job, index, exit_code=143, reason="Error")
 
+    def take_pod_away(self, ns: str, job: str, index: int) -> str:
+        """``kubectl delete pod`` as the real cluster (v1.37) did it, once it is over: the kubelet's
+        ``Killing`` event, torchrun exiting 1 on the SIGTERM, no DisruptionTarget, the Job
+        controller's verdict naming the pod, and the pod removed (its finalizer dropped). The name."""
+        name = self.pod(ns, job, index)["metadata"]["name"]
+        self.add_object(
+            "events",
+            ns,
+            {
+                "metadata": {"name": f"{name}.killing"},
+                "involvedObject": {"kind": "Pod", "name": name, "namespace": ns},
+                "reason": "Killing",
+                "message": "Stopping container trainer",
+                "type": "Normal",
+                "firstTimestamp": now_rfc3339(),
+                "lastTimestamp": now_rfc3339(),
+            },
+        )
+        self.set_terminated(ns, job, index, exit_code=1, reason="Error")
+        self.fail_job(
+            ns,
+            job,
+            "PodFailurePolicy",
+            f"Container trainer for pod {ns}/{name} failed with exit code 1 matching FailJob rule at index 1",
+            terminal=False,
+        )
+        with self._cond:
+            self._remove("pods", ns, name)
+        return name
+
     def fail_job(self, ns: str, job: str, reason: str, message: str, *, terminal: bool = True) -> None:
         """The Job controller's verdict as a real API server (v1.37) shows it: FailureTarget first,
         and Failed (same reason and message) only once every pod has terminated (``terminal``)."""

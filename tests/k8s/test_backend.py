@@ -169,6 +169,27 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     assert_foreground_delete(fake_api, job_name)
 
 
+def test_a_pod_deleted_and_gone_before_it_was_seen_is_a_disruption(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    """Seen on the real cluster (CI rehearsal, deferred task): the deleted pod, its exit and the
+    Job controller's verdict all came and went between two looks of the trigger; what is left is
+    the verdict naming the pod and the kubelet's Killing event. A disruption, relaunched within the
+    try, never the crash the verdict's exit code 1 would make it."""
+    handle, job_name = running_group(fake_api, backend)
+    backend.observe(handle)
+    name = fake_api.take_pod_away(NS, job_name, 1)
+    fake_api.delete_pod_gracefully(NS, job_name, 0)  # the Job controller stops the rest
+
+    status = settle(backend, handle, lambda s: s.state.terminal)
+    assert status.state is Outcome.FAILED
+    relaunch = backend.relaunch_reason(handle, status)
+    assert relaunch is not None and relaunch.kind is RelaunchKind.PREEMPTION, status.nodes
+    assert f"node 1: Evicted (deleted): pod {name} was stopped by its kubelet while it ran" == relaunch.why
+    events = [c for c in fake_api.calls if c.path.endswith("/events") and "Pod" in str(c.query)]
+    assert events and f"involvedObject.name={name}" in events[-1].query.get("fieldSelector", "")
+
+
 def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:

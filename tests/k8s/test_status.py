@@ -10,9 +10,11 @@ from airflow_torchrun.backends.kubernetes.logs import LogCursor, split_stamp
 from airflow_torchrun.backends.kubernetes.status import (
     disruption,
     needs_events,
+    needs_kill_events,
     needs_workloads,
     node_observations,
     parse_indexes,
+    parse_time,
     pod_observation,
     preemption_reason,
 )
@@ -373,6 +375,34 @@ def test_a_pod_deleted_while_the_job_ran_is_a_disruption_and_the_job_controllers
     late = cond("FailureTarget", "True", "PodFailurePolicy", "Container trainer ... exit code 1", at=T0)
     collateral = node_observations(2, job(conditions=[late]), [peer, deleted])
     assert collateral[1].stopped_by == "deleted" and not (collateral[1].reason or "").startswith("Evicted")
+
+
+def test_a_deleted_pod_gone_before_it_was_seen_is_a_disruption_by_its_kubelets_killing_event() -> None:
+    """Seen on the real cluster: after `kubectl delete pod` the pod, its exit and the verdict can all
+    pass between two looks; the verdict still names the pod, and its kubelet's Killing event tells
+    that it was stopped, not that it crashed. The peer the Job controller stops after its verdict
+    has a Killing event too, but did not decide the verdict: collateral."""
+    message = "Container trainer for pod ml/g-1-abcde failed with exit code 1 matching FailJob rule at index 1"
+    failing = job(conditions=[cond("FailureTarget", "True", "PodFailurePolicy", message, at=T5)])
+
+    def killing(pod_name: str, at: str) -> dict[str, object]:
+        return {"reason": "Killing", "firstTimestamp": at, "involvedObject": {"kind": "Pod", "name": pod_name}}
+
+    assert needs_kill_events(failing, []) == "g-1-abcde"
+    assert needs_kill_events(failing, [pod(1, "Failed", main=terminated(1, "Error"))]) is None  # still there
+    assert needs_kill_events(job(), []) is None
+
+    killed = [killing("g-1-abcde", T1), killing("g-0-abcde", T9)]
+    nodes = node_observations(2, failing, [], killed=killed)
+    assert nodes[1].reason == "Evicted (deleted): pod g-1-abcde was stopped by its kubelet while it ran"
+    assert nodes[1].stopped_by is None and nodes[1].finished_at == parse_time(T1)
+    assert nodes[0].stopped_by == "kubernetes"  # collateral
+    status = group_status(nodes, launched_at=0, now=2e9, startup_timeout=60)
+    assert preemption_reason(status) == f"node 1: {nodes[1].reason}"
+    # Without the event (the pod exited on its own): the verdict stands, a failure.
+    crashed = node_observations(2, failing, [], killed=[killing("g-0-abcde", T9)])
+    assert crashed[1].reason == f"stopped: the Job failed (PodFailurePolicy): {message}"
+    assert preemption_reason(group_status(crashed, launched_at=0, now=2e9, startup_timeout=60)) is None
 
 
 def test_a_rank_cannot_start_a_line_of_another_rank_inside_its_own() -> None:

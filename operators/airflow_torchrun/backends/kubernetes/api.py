@@ -211,6 +211,11 @@ def list_job_events(ns: str, job_name: str) -> Request:
     return Request("GET", _core(ns, "events"), query=(("fieldSelector", selector),))
 
 
+def list_pod_events(ns: str, pod_name: str, reason: str) -> Request:
+    selector = f"involvedObject.kind=Pod,involvedObject.name={pod_name},reason={reason}"
+    return Request("GET", _core(ns, "events"), query=(("fieldSelector", selector),))
+
+
 def list_workloads(ns: str, job_uid: str | None) -> Request:
     """Kueue's Workloads of a Job; ``None`` when Kueue is absent (404) or not readable (403)."""
     return Request(

@@ -26,6 +26,7 @@ from airflow_torchrun.backends.kubernetes.render import CONTROLLER_UID_LABEL, GR
 from airflow_torchrun.backends.kubernetes.status import (
     completion_index,
     needs_events,
+    needs_kill_events,
     needs_workloads,
     node_observations,
 )
@@ -100,7 +101,11 @@ def observe_flow(
     if job is not None and needs_workloads(job):
         # None when Kueue is absent or not readable: less precise pending reasons, nothing else.
         workloads = api.items((yield api.list_workloads(ns, job["metadata"].get("uid"))))
-    nodes = node_observations(handle.num_nodes, job, pods, events=events, workloads=workloads)
+    killed: list[dict[str, Any]] = []
+    victim = needs_kill_events(job, pods)
+    if victim is not None:
+        killed = api.items((yield api.list_pod_events(ns, victim, reason="Killing")))
+    nodes = node_observations(handle.num_nodes, job, pods, events=events, workloads=workloads, killed=killed)
     state.resource_version = (listed.get("metadata") or {}).get("resourceVersion")
     state.pods = pods
     if [(n.phase, n.reason) for n in nodes] != [(n.phase, n.reason) for n in state.nodes]:

@@ -52,6 +52,10 @@ _PERMANENT_TERMINATED = frozenset({"StartError", "ContainerCannotRun"})
 # A kubelet eviction for the pod's own usage (ephemeral storage over its limit) is a failure.
 _OVER_LIMIT = re.compile(r"exceed\w*\b.*\blimit", re.IGNORECASE)
 _PREEMPTION_REASONS = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler"})
+# The Job controller's podFailurePolicy verdict names the pod that decided it ("Container trainer for
+# pod <ns>/<name> failed with exit code 1 matching FailJob rule at index 1"); the name is the Job
+# controller's (<job>-<index>-<suffix>), nothing a rank can write.
+_VERDICT_POD = re.compile(r"\bfor pod [^/\s]+/([a-z0-9][-a-z0-9.]*) failed\b")
 
 
 def parse_time(value: object) -> float | None:
@@ -327,7 +331,60 @@ def _latest(items: Iterable[Obj]) -> Obj | None:
     return max(items, key=when) if items else None
 
 
-def _missing_pod(node_rank: int, job: Obj, events: Sequence[Obj], workloads: Sequence[Obj]) -> NodeObservation:
+def verdict_pod(job: Obj | None) -> str | None:
+    """The pod whose failure decided the Job's podFailurePolicy verdict, if the Job has one."""
+    conditions = _conditions(job or {})
+    for cond in (conditions.get("FailureTarget"), conditions.get("Failed")):
+        if cond is not None and _true(cond) and cond.get("reason") == "PodFailurePolicy":
+            match = _VERDICT_POD.search(cond.get("message") or "")
+            if match:
+                return match.group(1)
+    return None
+
+
+def needs_kill_events(job: Obj | None, pods: Sequence[Obj]) -> str | None:
+    """The pod that decided the Job's verdict when it is gone from the API: whether its kubelet
+    stopped it (a deletion) is then only in that pod's events."""
+    name = verdict_pod(job)
+    if name is None or any((p.get("metadata") or {}).get("name") == name for p in pods):
+        return None
+    return name
+
+
+def _taken_away(node_rank: int, job: Obj, killed: Sequence[Obj]) -> NodeObservation | None:
+    """This node's pod decided the Job's verdict, is gone, and its kubelet had been told to stop it
+    (a ``Killing`` event: the kubelet stops a container for a deletion, an eviction, a probe, never
+    when it exits on its own). Seen on the real cluster: a pod deleted with ``kubectl delete pod``
+    gets no DisruptionTarget, torchrun exits 1 on the SIGTERM, the verdict follows within a second
+    and the Job controller removes the pod; a watch polling every few seconds (the trigger's) saw
+    neither the pod nor its deletionTimestamp. A disruption, as when the pod is still there."""
+    name = verdict_pod(job)
+    prefix = f"{(job.get('metadata') or {}).get('name')}-{node_rank}-"
+    if name is None or not name.startswith(prefix):
+        return None
+    stops = [e for e in killed if e.get("reason") == "Killing" and (e.get("involvedObject") or {}).get("name") == name]
+    if not stops:
+        return None
+    return NodeObservation(
+        node_rank=node_rank,
+        phase=NodePhase.FAILED,
+        finished_at=min((t for t in map(_event_time, stops) if t is not None), default=None),
+        reason=_with_message("Evicted (deleted)", f"pod {name} was stopped by its kubelet while it ran"),
+    )
+
+
+def _event_time(event: Obj) -> float | None:
+    meta = event.get("metadata") or {}
+    for key in ("eventTime", "firstTimestamp", "lastTimestamp"):
+        t = parse_time(event.get(key))
+        if t is not None:
+            return t
+    return parse_time(meta.get("creationTimestamp"))
+
+
+def _missing_pod(
+    node_rank: int, job: Obj, events: Sequence[Obj], workloads: Sequence[Obj], killed: Sequence[Obj] = ()
+) -> NodeObservation:
     """A node whose pod does not exist: not created yet, waiting for admission, or gone."""
     spec = job.get("spec") or {}
     status = job.get("status") or {}
@@ -338,6 +395,9 @@ def _missing_pod(node_rank: int, job: Obj, events: Sequence[Obj], workloads: Seq
     # every pod has terminated; either means the Job is failing.
     failed = next((c for c in (conditions.get("Failed"), conditions.get("FailureTarget")) if c and _true(c)), None)
     if failed is not None:
+        taken = _taken_away(node_rank, job, killed)
+        if taken is not None:
+            return taken
         return NodeObservation(
             node_rank=node_rank,
             phase=NodePhase.FAILED,
@@ -401,8 +461,10 @@ def node_observations(
     *,
     events: Sequence[Obj] = (),
     workloads: Sequence[Obj] = (),
+    killed: Sequence[Obj] = (),
 ) -> list[NodeObservation]:
-    """What every node (completion index) of the group is doing."""
+    """What every node (completion index) of the group is doing. ``killed``: the ``Killing`` events
+    of the pod :func:`needs_kill_events` names."""
     if job is None:
         return [
             NodeObservation(
@@ -424,7 +486,7 @@ def node_observations(
         out.append(
             pod_observation(n, _pick(candidates), job_failing_since=failing_since)
             if candidates
-            else _missing_pod(n, job, events, workloads)
+            else _missing_pod(n, job, events, workloads, killed)
         )
     return out
 
