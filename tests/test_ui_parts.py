@@ -87,6 +87,7 @@ def test_an_ended_group_without_reports_reached_its_last_committed_checkpoint() 
     )
 
 
+@pytest.mark.slow  # starts `python -m airflow_torchrun.ui.serve --dry-run`
 def test_make_ui_plans_both_services_on_the_demo_state(tmp_path: object) -> None:
     argv = ["--dry-run", "--airflow-port", "18080", "--mlflow-port", "15000"]
     cmd = [sys.executable, "-m", "airflow_torchrun.ui.serve", *argv]
