@@ -318,17 +318,22 @@ def _failed(
     )
 
 
-def _latest(items: Iterable[Obj]) -> Obj | None:
-    def when(e: Obj) -> float:
-        meta = e.get("metadata") or {}
-        for key in ("lastTimestamp", "eventTime", "firstTimestamp"):
-            t = parse_time(e.get(key))
-            if t is not None:
-                return t
-        return parse_time(meta.get("creationTimestamp")) or 0.0
+def _event_time(event: Obj, order: Sequence[str]) -> float | None:
+    """An event's time: the first of its ``order`` fields that is set, else its creation."""
+    for key in order:
+        t = parse_time(event.get(key))
+        if t is not None:
+            return t
+    return parse_time((event.get("metadata") or {}).get("creationTimestamp"))
 
+
+_LAST_SEEN = ("lastTimestamp", "eventTime", "firstTimestamp")
+_FIRST_SEEN = ("eventTime", "firstTimestamp", "lastTimestamp")
+
+
+def _latest(items: Iterable[Obj]) -> Obj | None:
     items = list(items)
-    return max(items, key=when) if items else None
+    return max(items, key=lambda e: _event_time(e, _LAST_SEEN) or 0.0) if items else None
 
 
 def verdict_pod(job: Obj | None) -> str | None:
@@ -368,18 +373,9 @@ def _taken_away(node_rank: int, job: Obj, killed: Sequence[Obj]) -> NodeObservat
     return NodeObservation(
         node_rank=node_rank,
         phase=NodePhase.FAILED,
-        finished_at=min((t for t in map(_event_time, stops) if t is not None), default=None),
+        finished_at=min((t for e in stops if (t := _event_time(e, _FIRST_SEEN)) is not None), default=None),
         reason=_with_message("Evicted (deleted)", f"pod {name} was stopped by its kubelet while it ran"),
     )
-
-
-def _event_time(event: Obj) -> float | None:
-    meta = event.get("metadata") or {}
-    for key in ("eventTime", "firstTimestamp", "lastTimestamp"):
-        t = parse_time(event.get(key))
-        if t is not None:
-            return t
-    return parse_time(meta.get("creationTimestamp"))
 
 
 def _missing_pod(
