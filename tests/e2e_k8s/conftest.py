@@ -132,6 +132,20 @@ class Airflow:
         return None if row is None else json.loads(row[0])
 
 
+def home_env(cluster_env: dict[str, str], root: Path, deployment: str) -> dict[str, str]:
+    """The environment of an Airflow home laid out under ``root`` (``airflow/``, ``dags/``,
+    ``torchrun/``) that runs on the cluster as ``deployment``."""
+    return {
+        **os.environ,
+        **cluster_env,
+        "AIRFLOW_HOME": str(root / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__TORCHRUN__STATE_DIR": str(root / "torchrun"),
+        "AIRFLOW__TORCHRUN__DEPLOYMENT": deployment,
+    }
+
+
 @pytest.fixture
 def airflow(cluster_env: dict[str, str], tmp_path: Path) -> Iterator[Airflow]:
     """The test's Airflow; afterwards, none of its objects may be on the cluster and no rank
@@ -139,16 +153,8 @@ def airflow(cluster_env: dict[str, str], tmp_path: Path) -> Iterator[Airflow]:
     home, dags = tmp_path / "airflow", tmp_path / "dags"
     home.mkdir()
     dags.mkdir()
-    env = {
-        **os.environ,
-        **cluster_env,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__TORCHRUN__STATE_DIR": str(tmp_path / "torchrun"),
-        # One deployment name per test: a test's Jobs are told from every other test's by it.
-        "AIRFLOW__TORCHRUN__DEPLOYMENT": f"e2e-{os.getpid()}-{time.monotonic_ns() % 10**6}",
-    }
+    # One deployment name per test: a test's Jobs are told from every other test's by it.
+    env = home_env(cluster_env, tmp_path, f"e2e-{os.getpid()}-{time.monotonic_ns() % 10**6}")
     af = Airflow(home, dags, env)
     done = af.run("db", "migrate", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,6 @@ sent with the identity of the Airflow connection (so the documented Role allows 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import yaml
 
 from cluster.build import binary
 from cluster.layout import NAMESPACE, state
+
+from .conftest import home_env
 
 VARIANTS = {
     "plain": "",
@@ -46,15 +47,8 @@ def render_env(cluster_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
         del runtimes["placed"]["priority_class"]
     (root / "runtimes.yaml").write_text(yaml.safe_dump(runtimes))
     (root / "dags").mkdir()
-    env = {
-        **os.environ,
-        **cluster_env,
-        "AIRFLOW_HOME": str(root / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__TORCHRUN__RUNTIMES_FILE": str(root / "runtimes.yaml"),
-        "AIRFLOW__TORCHRUN__DEPLOYMENT": "e2e-dry-run",
-    }
+    env = home_env(cluster_env, root, "e2e-dry-run")
+    env["AIRFLOW__TORCHRUN__RUNTIMES_FILE"] = str(root / "runtimes.yaml")
     return env, root / "dags"
 
 

@@ -38,6 +38,7 @@ from .conftest import (
     Airflow,
     Code,
     Recorder,
+    home_env,
     nothing_left,
     training_dag,
     uninterrupted,
@@ -109,15 +110,7 @@ def expected(cluster_env: dict[str, str], tmp_path_factory: pytest.TempPathFacto
     home = tmp_path_factory.mktemp("e2e-uninterrupted")
     (home / "airflow").mkdir()
     (home / "dags").mkdir()
-    env = {
-        **os.environ,
-        **cluster_env,
-        "AIRFLOW_HOME": str(home / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__TORCHRUN__STATE_DIR": str(home / "torchrun"),
-        "AIRFLOW__TORCHRUN__DEPLOYMENT": f"e2e-uninterrupted-{os.getpid()}",
-    }
+    env = home_env(cluster_env, home, f"e2e-uninterrupted-{os.getpid()}")
     airflow = Airflow(home / "airflow", home / "dags", env)
     assert airflow.run("db", "migrate", timeout=300).returncode == 0
     try:
