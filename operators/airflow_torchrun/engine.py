@@ -386,15 +386,7 @@ class RunEngine:
 
     def _settle_and_decide(self, handle: GroupHandle, verdict: Verdict, launches: Launches) -> str | None:
         """Tear the ended group down, account for it, and decide: why it is relaunched, or None."""
-        # The ranks' records for the goodput ledger: after the teardown where the logs outlive it,
-        # so that a rank still exiting when a peer's failure ended the group has written its last
-        # window (its exit flushes it); before it where the logs go with the group (pods).
-        outlive = self.backend.logs_outlive_teardown
-        if not outlive:
-            self.close_books(handle)
-        self.settle(handle, verdict)
-        if outlive:
-            self.close_books(handle)
+        self.settle(handle, verdict, books=True)
         self._ranks_account(handle)
         relaunch = (
             self.backend.relaunch_reason(handle, verdict.group_status()) if verdict.outcome is Outcome.FAILED else None
@@ -631,16 +623,20 @@ class RunEngine:
         if self.killed:
             raise AirflowException(f"Group {handle.group_id} was stopped: the task was killed (on_kill)")
 
-    def settle(self, handle: GroupHandle, verdict: Verdict | None = None) -> None:
-        """Teardown (on success it only confirms nothing is left), and the last log lines into the task log.
+    def settle(self, handle: GroupHandle, verdict: Verdict | None = None, *, books: bool = False) -> None:
+        """Teardown (on success it only confirms nothing is left), and the last log lines into the task log;
+        with ``books``, the launch's account for the goodput ledger from its ranks' records too.
 
         Transient trouble is retried within ``preflight_budget``. After a success a teardown that
         still fails is only warned about: the training is done, whatever is left has finished too.
         """
-        # The ranks' last lines: before the teardown where the logs go with the group (pods), after
-        # it where they outlive it (a rank still exiting writes its last words during the teardown).
+        # The ranks' last lines and records: before the teardown where the logs go with the group
+        # (pods), after it where they outlive it (a rank still exiting when a peer's failure ended
+        # the group writes its last words and its last window during the teardown).
         outlive = self.backend.logs_outlive_teardown
         if not outlive:
+            if books:
+                self.close_books(handle)
             self.flush_logs(handle)
         self.timeline.mark(Mark.TEARDOWN_STARTED, time.time(), handle.relaunch)
         try:
@@ -652,6 +648,8 @@ class RunEngine:
             self.log.warning("Group %s succeeded, but confirming its teardown failed: %s", handle.group_id, exc)
         if outlive:
             self.flush_logs(handle)
+            if books:
+                self.close_books(handle)
 
     def flush_logs(self, handle: GroupHandle) -> None:
         try:
