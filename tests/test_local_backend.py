@@ -323,3 +323,28 @@ def test_the_supervisor_reads_each_workers_exit_status_from_the_kernel(tmp_path)
     killed = by_pid[int(pids["killed"])]
     assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)
     assert watch.workers == {}  # every pidfd closed
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "pidfd_open") or tuple(map(int, os.uname().release.split(".")[:2])) < (6, 15),
+    reason="the kernel keeps a reaped process's exit status for its pidfd from Linux 6.15",
+)
+def test_the_supervisor_reads_the_status_of_a_worker_the_agent_already_reaped(tmp_path):
+    """On a loaded machine the supervisor often looks only after the agent's next monitor tick reaped
+    the dead worker: its status still comes from the kernel (the pidfd keeps it), so a killed rank
+    still fails its node at once instead of at the agent's exit. Before, the outcome was ``None``."""
+    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
+
+    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = dict(item.split("=") for item in parent.stdout.readline().split())
+        watch = _WorkerWatch(parent.pid)
+        _until(lambda: watch.discover() or len(watch.workers) == 3, what="the three workers")
+        os.kill(int(pids["killed"]), signal.SIGKILL)
+        _until(lambda: not Path(f"/proc/{pids['killed']}").exists(), what="the agent reaping the killed worker")
+        ended = {o["pid"]: o for o in watch.ended(watch.fds())}
+    finally:
+        parent.kill()
+        parent.wait()
+    killed = ended[int(pids["killed"])]
+    assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)

@@ -10,9 +10,11 @@ to stop the node and exit), and ``exit.json`` when the agent is gone.
 A worker's outcome is its exit status, read from the kernel: the supervisor holds a pidfd of each
 of the agent's children, which becomes readable the moment the child dies, and reads the status
 from ``/proc/<pid>/stat`` while the child is a zombie (the agent reaps it at its next monitor tick,
-0.1 s later). Never from log text: the ranks' output shares the node's log, and a rank that printed
-the agent's words for a dead worker once tore a healthy group down. A status the supervisor was too
-late to see leaves the decision to the agent's own exit. It becomes a child
+0.1 s later), or, once the agent reaped it, from the pidfd itself (``PIDFD_GET_INFO`` with
+``PIDFD_INFO_EXIT``, Linux 6.15+): on a loaded machine the supervisor is often later than that tick.
+Never from log text: the ranks' output shares the node's log, and a rank that printed
+the agent's words for a dead worker once tore a healthy group down. A status the supervisor could
+not read (an older kernel, and too late) leaves the decision to the agent's own exit. It becomes a child
 subreaper so that workers orphaned by a dying agent are re-parented to it and reaped, and on
 SIGTERM, or when ``--watch-pid`` dies (the sync-mode Airflow task process), it stops every process
 of its node. Imports stay light: no
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -38,6 +42,11 @@ from airflow_torchrun.backends.local.procs import pid_alive, stop_group
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
+# linux/pidfd.h: PIDFD_GET_INFO is _IOWR(0xFF, 11, struct pidfd_info); its first version is 64 bytes,
+# the mask first and the exit's wait status (valid once the process was reaped) last.
+_PIDFD_INFO_SIZE = 64
+PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+PIDFD_INFO_EXIT = 1 << 3
 RANK_FAILED_FILE = "rank-failed.json"
 WORKERS_FILE = "workers.json"
 
@@ -72,6 +81,18 @@ def _ranks_of(pid: int) -> tuple[int | None, int | None]:
         return int(pairs[b"RANK"]), int(pairs[b"LOCAL_RANK"])
     except (KeyError, ValueError):
         return None, None
+
+
+def reaped_status(pidfd: int) -> int | None:
+    """The wait status of a process its parent already reaped, kept by the kernel for its pidfd;
+    None while it has not been reaped, or where the kernel is older than 6.15."""
+    info = bytearray(struct.pack("=Q", PIDFD_INFO_EXIT) + bytes(_PIDFD_INFO_SIZE - 8))
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, info)
+    except OSError:
+        return None
+    (mask,) = struct.unpack_from("=Q", info, 0)
+    return struct.unpack_from("=i", info, _PIDFD_INFO_SIZE - 4)[0] if mask & PIDFD_INFO_EXIT else None
 
 
 class _WorkerWatch:
@@ -137,8 +158,12 @@ class _WorkerWatch:
                 "exit_code": None,
                 "signal": None,
             }
+            status: int | None = None
             if alive and fields is not None:  # a zombie: its wait status, as waitpid would return it
                 status = int(fields[self._EXIT])
+            elif worker.fd is not None:  # already reaped by the agent
+                status = reaped_status(worker.fd)
+            if status is not None:
                 if os.WIFSIGNALED(status):
                     outcome["signal"] = signal.Signals(os.WTERMSIG(status)).name
                     outcome["exit_code"] = -os.WTERMSIG(status)
@@ -223,9 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     workers = _WorkerWatch(agent.pid)
     failed_reported = False
     returncode: int | None = None
+    try:  # the agent's own death wakes the loop too
+        agent_fds = [os.pidfd_open(agent.pid)]
+    except (AttributeError, OSError):
+        agent_fds = []
     while returncode is None:
         workers.discover()
-        readable, _, _ = select.select(workers.fds(), [], [], 0.05) if workers.fds() else ([], [], [])
+        fds = workers.fds() + agent_fds
+        readable: list[int] = select.select(fds, [], [], 0.05)[0] if fds else []
+        if not fds:
+            time.sleep(0.05)
         ended = workers.ended(readable)
         if ended:
             write_json(node_dir / WORKERS_FILE, {"workers": workers.outcomes})
@@ -240,10 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             # torchrun forwards SIGTERM to its workers; stop_group also reaches the ones it
             # cannot (other sessions, orphans) and escalates to SIGKILL after the grace period.
             stop_group(group_id, node_rank=node_rank, grace=args.grace, reap=reap)
-        try:
-            returncode = agent.wait(timeout=0.05)
-        except subprocess.TimeoutExpired:
-            continue
+        returncode = agent.poll()
+    for fd in agent_fds:
+        os.close(fd)
     # The agent is gone; its workers normally went with it. Make sure, then record the outcome.
     leftovers = stop_group(group_id, node_rank=node_rank, grace=min(args.grace, 5.0), reap=reap)
     reap()
