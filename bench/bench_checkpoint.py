@@ -7,8 +7,8 @@ Run standalone (about 3 minutes on 2 cores)::
     .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--skip-s3] [--skip-train]
         [--stop-sizes-mb 100,1000] [--json rows.json]
 
-S3 is moto's server on localhost (started here, in this process), reached through s3fs over HTTP:
-compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
+S3 is moto's server on localhost (started here, in a process of its own), reached through s3fs over
+HTTP: compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
 """
 
 from __future__ import annotations
@@ -207,14 +207,31 @@ def bench_stop(root: Path, sizes_mb: list[int], repeat: int) -> list[StopRow]:
     return rows
 
 
-def start_moto() -> tuple[object, str]:
-    from moto.server import ThreadedMotoServer
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3 server in a process of its own (as S3 is another machine: in this process, its
+    request handling would share our GIL and be counted against our reads and writes)."""
+    import socket
+    import urllib.request
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto_server did not start on {endpoint}") from None
+            time.sleep(0.2)
     os.environ.update(
         {
             "AWS_ACCESS_KEY_ID": "bench",
@@ -389,7 +406,8 @@ def main() -> None:
             try:
                 rows += bench_io("s3 (moto)", f"s3://{bucket}/ckpt", state, args.repeat)
             finally:
-                server.stop()  # type: ignore[attr-defined]
+                server.kill()
+                server.wait()
         print()
         print(f"Checkpoint I/O, single process, median of {args.repeat} (MB = 1e6 bytes)")
         header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw"]

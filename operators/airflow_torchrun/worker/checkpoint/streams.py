@@ -12,7 +12,9 @@ memoryview valid only during the call). The writers here take each one as it com
   still being serialised, :data:`S3_CONCURRENCY` at a time, on s3fs's own event loop; an object
   smaller than one part is a single PUT. Aborted on any error: nothing half-uploaded is left.
 - :func:`s3_read` reads an object in ranged GETs, concurrently, the checksum computed in order as the
-  parts arrive.
+  parts arrive. The object is split evenly over the concurrency (:func:`read_ranges`): as parallel as
+  many small ranges, with the fewest requests (each one a round trip, and a server that serves a
+  range by reading the whole object, as moto does, pays per request).
 
 Memory: the disk writer holds nothing; the S3 writer at most ``S3_CONCURRENCY + 1`` parts.
 """
@@ -38,6 +40,7 @@ PARALLEL_BYTES = 1 << 20
 WRITEBACK_BYTES = 32 << 20
 S3_PART_BYTES = 16 << 20  # S3's minimum part is 5 MiB (the last one excepted)
 S3_CONCURRENCY = 4
+S3_READ_MAX_RANGE = 128 << 20  # a larger object is read in more ranges than S3_CONCURRENCY
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -232,29 +235,41 @@ class S3PartWriter:
         return checksum_text(self.crc)
 
 
+def read_ranges(size: int, concurrency: int = S3_CONCURRENCY) -> list[tuple[int, int]]:
+    """``(start, end)`` byte ranges covering ``size`` bytes: split evenly over ``concurrency``, none
+    smaller than :data:`S3_PART_BYTES` (one range for a small object) nor larger than
+    :data:`S3_READ_MAX_RANGE` (more ranges for a large one)."""
+    concurrency = max(1, concurrency)
+    part = min(S3_READ_MAX_RANGE, max(S3_PART_BYTES, -(-size // concurrency)))
+    return [(start, min(size, start + part)) for start in range(0, size, part)]
+
+
 def s3_read(
-    fs: AbstractFileSystem, path: str, *, part_bytes: int = S3_PART_BYTES, concurrency: int = S3_CONCURRENCY
+    fs: AbstractFileSystem, path: str, *, part_bytes: int | None = None, concurrency: int = S3_CONCURRENCY
 ) -> tuple[bytearray, int]:
-    """The object's bytes and their CRC-32, fetched in ranged GETs ``concurrency`` at a time (one
-    GET for an object of one part); the checksum is computed in order as the parts arrive."""
+    """The object's bytes and their CRC-32, fetched in ranged GETs ``concurrency`` at a time (ranges
+    of ``part_bytes``, or as :func:`read_ranges` splits it); the checksum is computed in order as the
+    ranges arrive."""
     size = int(fs.size(path))  # raises FileNotFoundError for a missing object
     out = bytearray(size)
     loop = fs.loop
-    starts = list(range(0, size, part_bytes))
+    if part_bytes is None:
+        ranges = read_ranges(size, concurrency)
+    else:
+        ranges = [(start, min(size, start + part_bytes)) for start in range(0, size, part_bytes)]
 
-    def fetch(start: int) -> Future[Any]:
-        end = min(size, start + part_bytes)
+    def fetch(index: int) -> Future[Any]:
+        start, end = ranges[index]
         return asyncio.run_coroutine_threadsafe(fs._cat_file(path, start=start, end=end), loop)
 
-    futures = {start: fetch(start) for start in starts[:concurrency]}
+    futures = {index: fetch(index) for index in range(min(concurrency, len(ranges)))}
     crc = 0
-    for index, start in enumerate(starts):
-        data = futures.pop(start).result()
-        if index + concurrency < len(starts):
-            nxt = starts[index + concurrency]
-            futures[nxt] = fetch(nxt)
-        if len(data) != min(part_bytes, size - start):
+    for index, (start, end) in enumerate(ranges):
+        data = futures.pop(index).result()
+        if index + concurrency < len(ranges):
+            futures[index + concurrency] = fetch(index + concurrency)
+        if len(data) != end - start:
             raise FileNotFoundError(f"{path} changed while it was read")
-        out[start : start + len(data)] = data
+        out[start:end] = data
         crc = crc32_of(data, crc)
     return out, crc
