@@ -116,6 +116,10 @@ def test_rank_exit_code_7_fails_the_task_naming_rank_and_code(run_dag, tiny_scri
     assert "rank 3 (node 1, local rank 1) exited with code 7" in result.log
     assert "SystemExit: 7" in result.log
     assert "rank 3 failing at step 2" in result.log  # the log tail of the failing rank
+    # Airflow resolves the extra links after a failed try too: neither link's XCom is missing (a
+    # missing one is an error line, "XCom not found", at the end of the task log).
+    assert "XCom not found" not in result.log
+    assert result.xcom("train", key="checkpoint_url") is None
     group_id = result.xcom("train", key="group")["group_id"]
     assert group_processes(group_id) == []
     # How the group ended, for the training view once the group is gone (XCom group_end).

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_torchrun import contract
 from airflow_torchrun.audit import AuditMode
 from airflow_torchrun.compat import AirflowFailException, conf
-from airflow_torchrun.links import MLFLOW_RUN_URL_KEY
+from airflow_torchrun.links import CHECKPOINT_URL_KEY, MLFLOW_RUN_URL_KEY
 from airflow_torchrun.operators.policy import NOT_RETRYING
 from airflow_torchrun.state import state_dir
 from airflow_torchrun.storage.lineage import RESUME_AUTO
@@ -251,6 +251,8 @@ class TrainingContract:
             env.update(self._tracking_env(tracking_uri))
         elif not checked:  # the extra link finds "no run" instead of logging an error for a missing XCom
             io.push(MLFLOW_RUN_URL_KEY, None)
+        if not checked:  # the same for the 'Checkpoint' link of a try that fails (success replaces it)
+            io.push(CHECKPOINT_URL_KEY, None)
         return env
 
     def _framework_checkpoint(self, store: CheckpointStore) -> FrameworkCheckpoint | None:
