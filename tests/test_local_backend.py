@@ -7,6 +7,7 @@ by scanning processes (not by sleeping), that the group is gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -297,30 +298,46 @@ REAPING_PARENT = textwrap.dedent(
 )
 
 
+@contextlib.contextmanager
+def _workers_with_one_killed():
+    """The stand-in agent's three workers, watched (``_WorkerWatch``), the "killed" one SIGKILLed;
+    yields the watch and the workers' pids by name. The stand-in is killed on the way out."""
+    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
+
+    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = {name: int(pid) for name, pid in (item.split("=") for item in parent.stdout.readline().split())}
+        watch = _WorkerWatch(parent.pid)
+        # Each worker's rank is read from its environment once it has exec'd (before, it has its
+        # parent's): a worker killed earlier has no rank to report.
+        _until(
+            lambda: (
+                watch.discover()
+                or (len(watch.workers) == 3 and all(w.rank is not None for w in watch.workers.values()))
+            ),
+            what="the three workers, their ranks known",
+        )
+        os.kill(pids["killed"], signal.SIGKILL)
+        yield watch, pids
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def test_the_supervisor_reads_each_workers_exit_status_from_the_kernel(tmp_path):
     """Each worker's outcome comes from its pidfd and its zombie's wait status, before the parent
     (torchrun's agent, here a stand-in that reaps every 0.1 s) collects it: an exit code, a signal."""
     import select
 
-    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
-
-    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = dict(item.split("=") for item in parent.stdout.readline().split())
-        watch = _WorkerWatch(parent.pid)
-        _until(lambda: watch.discover() or len(watch.workers) == 3, what="the three workers")
-        os.kill(int(pids["killed"]), signal.SIGKILL)
+    with _workers_with_one_killed() as (watch, pids):
         deadline = time.monotonic() + 30
         while len(watch.outcomes) < 3 and time.monotonic() < deadline:
             readable, _, _ = select.select(watch.fds(), [], [], 0.05)
             watch.ended(readable)
-    finally:
-        parent.kill()
-        parent.wait()
     by_pid = {o["pid"]: o for o in watch.outcomes}
-    assert by_pid[int(pids["ok"])]["exit_code"] == 0
-    assert by_pid[int(pids["three"])]["exit_code"] == 3 and by_pid[int(pids["three"])]["local_rank"] == 1
-    killed = by_pid[int(pids["killed"])]
+    assert by_pid[pids["ok"]]["exit_code"] == 0
+    assert by_pid[pids["three"]]["exit_code"] == 3 and by_pid[pids["three"]]["local_rank"] == 1
+    killed = by_pid[pids["killed"]]
     assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)
     assert watch.workers == {}  # every pidfd closed
 
@@ -333,18 +350,8 @@ def test_the_supervisor_reads_the_status_of_a_worker_the_agent_already_reaped(tm
     """On a loaded machine the supervisor often looks only after the agent's next monitor tick reaped
     the dead worker: its status still comes from the kernel (the pidfd keeps it), so a killed rank
     still fails its node at once instead of at the agent's exit. Before, the outcome was ``None``."""
-    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
-
-    parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = dict(item.split("=") for item in parent.stdout.readline().split())
-        watch = _WorkerWatch(parent.pid)
-        _until(lambda: watch.discover() or len(watch.workers) == 3, what="the three workers")
-        os.kill(int(pids["killed"]), signal.SIGKILL)
+    with _workers_with_one_killed() as (watch, pids):
         _until(lambda: not Path(f"/proc/{pids['killed']}").exists(), what="the agent reaping the killed worker")
         ended = {o["pid"]: o for o in watch.ended(watch.fds())}
-    finally:
-        parent.kill()
-        parent.wait()
-    killed = ended[int(pids["killed"])]
+    killed = ended[pids["killed"]]
     assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)
