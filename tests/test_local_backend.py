@@ -299,9 +299,9 @@ REAPING_PARENT = textwrap.dedent(
 
 
 @contextlib.contextmanager
-def _workers_with_one_killed():
-    """The stand-in agent's three workers, watched (``_WorkerWatch``), the "killed" one SIGKILLed;
-    yields the watch and the workers' pids by name. The stand-in is killed on the way out."""
+def _workers_with_one_killed(sig: int = signal.SIGKILL):
+    """The stand-in agent's three workers, watched (``_WorkerWatch``), the "killed" one killed by
+    ``sig``; yields the watch and the workers' pids by name. The stand-in is killed on the way out."""
     from airflow_torchrun.backends.local.supervisor import _WorkerWatch
 
     parent = subprocess.Popen([sys.executable, "-c", REAPING_PARENT], stdout=subprocess.PIPE, text=True)
@@ -317,7 +317,7 @@ def _workers_with_one_killed():
             ),
             what="the three workers, their ranks known",
         )
-        os.kill(pids["killed"], signal.SIGKILL)
+        os.kill(pids["killed"], sig)
         yield watch, pids
     finally:
         parent.kill()
@@ -355,3 +355,18 @@ def test_the_supervisor_reads_the_status_of_a_worker_the_agent_already_reaped(tm
         ended = {o["pid"]: o for o in watch.ended(watch.fds())}
     killed = ended[pids["killed"]]
     assert (killed["exit_code"], killed["signal"], killed["rank"]) == (-9, "SIGKILL", 2)
+
+
+def test_a_worker_killed_by_a_signal_python_has_no_name_for_is_reported_by_number():
+    """A real-time signal (SIGRTMIN+3) kills by default and ``signal.Signals`` has no member for it:
+    the supervisor reports "signal 37" instead of dying of a ValueError (its node then taken for lost)."""
+    import select
+
+    sig = signal.SIGRTMIN + 3
+    with _workers_with_one_killed(sig) as (watch, pids):
+        deadline = time.monotonic() + 30
+        while pids["killed"] in watch.workers and time.monotonic() < deadline:
+            readable, _, _ = select.select(watch.fds(), [], [], 0.05)
+            watch.ended(readable)
+    killed = {o["pid"]: o for o in watch.outcomes}[pids["killed"]]
+    assert (killed["exit_code"], killed["signal"]) == (-sig, f"signal {sig}")

@@ -83,6 +83,14 @@ def _ranks_of(pid: int) -> tuple[int | None, int | None]:
         return None, None
 
 
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal 37`` for a signal Python has no name for (SIGRTMIN+3, say)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def reaped_status(pidfd: int) -> int | None:
     """The wait status of a process its parent already reaped, kept by the kernel for its pidfd;
     None while it has not been reaped, or where the kernel is older than 6.15."""
@@ -165,7 +173,7 @@ class _WorkerWatch:
                 status = reaped_status(worker.fd)
             if status is not None:
                 if os.WIFSIGNALED(status):
-                    outcome["signal"] = signal.Signals(os.WTERMSIG(status)).name
+                    outcome["signal"] = signal_name(os.WTERMSIG(status))
                     outcome["exit_code"] = -os.WTERMSIG(status)
                 else:
                     outcome["exit_code"] = os.WEXITSTATUS(status)
@@ -284,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         node_dir / "exit.json",
         {
             "returncode": returncode,
-            "signal": signal.Signals(-returncode).name if returncode < 0 else None,
+            "signal": signal_name(-returncode) if returncode < 0 else None,
             "started_at": started,
             "finished_at": time.time(),
             "stopped_by": stop_reason[0] if stop_reason else None,
