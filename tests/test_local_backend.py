@@ -241,6 +241,38 @@ def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tin
     assert report.signal == "SIGKILL" and report.headline.startswith("rank 1 "), report.message
 
 
+DEAF_TO_SIGTERM = textwrap.dedent(
+    """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank stuck in a save that outlasts the grace
+    print("deaf", flush=True)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_teardown_past_its_grace_still_leaves_each_nodes_record(tmp_path):
+    """A rank ignores SIGTERM, so its agent outlives the teardown's grace and everything left is
+    SIGKILLed. The supervisors go last: each still records how its node ended (exit.json), so the
+    node reads as stopped, not as lost. Before, the supervisor was SIGKILLed with its agent and the
+    record was lost (one CI run saw it with a grace of 3 s on a loaded machine)."""
+    script = tmp_path / "deaf.py"
+    script.write_text(DEAF_TO_SIGTERM)
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=1)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "deaf", tmp_path.name), {}))
+    logs = [Path(p) for p in backend.log_locations(handle)]
+    _until(lambda: all(p.exists() and "deaf" in p.read_text() for p in logs), what="both ranks up")
+    backend.teardown(handle)
+    assert group_pids(handle.group_id) == []
+    for node in range(2):
+        exit_json = Path(handle.group_dir) / f"node-{node}" / "exit.json"
+        assert exit_json.exists(), f"node {node} left no record of how it ended"
+        assert json.loads(exit_json.read_text())["stopped_by"] == "SIGTERM"
+    assert [n.phase for n in backend.observe(handle)] == [NodePhase.FAILED, NodePhase.FAILED]
+
+
 PRINTS_THE_AGENTS_PHRASE = textwrap.dedent(
     """
     import sys, time

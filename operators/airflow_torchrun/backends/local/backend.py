@@ -461,7 +461,7 @@ class LocalBackend(Backend[LocalHandle]):
             while time.monotonic() < deadline and any(group_pids(group_id, n) for n in failing):
                 time.sleep(0.05)
             grace = max(0.0, deadline - time.monotonic())
-        stop_group(group_id, grace=grace)
+        stop_group(group_id, grace=grace, last=_supervisors(Path(handle.group_dir)))
         _remove(Path(handle.group_dir) / GROUP_PROFILE)
 
     def _adopt_profile(self, named: Sequence[str], group_dir: Path) -> Path | None:
@@ -511,9 +511,13 @@ class LocalBackend(Backend[LocalHandle]):
         running = groups_running(lambda g: any(e.relaunch_of(g) is not None for e in earlier))
         stopped = []
         for group_id in sorted(running):
-            recorded = _read_json(self.state_dir / "groups" / group_id / "group.json") or {}
-            grace = recorded.get("teardown_grace")
-            stop_group(group_id, grace=float(grace) if isinstance(grace, int | float) else DEFAULT_TEARDOWN_GRACE)
+            group_dir = self.state_dir / "groups" / group_id
+            grace = (_read_json(group_dir / "group.json") or {}).get("teardown_grace")
+            stop_group(
+                group_id,
+                grace=float(grace) if isinstance(grace, int | float) else DEFAULT_TEARDOWN_GRACE,
+                last=_supervisors(group_dir),
+            )
             stopped.append(group_id)
         # What a crashed try left: its groups are stopped now, so their profiles are no one's.
         for earlier_try in earlier:
@@ -595,6 +599,12 @@ def _remove(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def _supervisors(group_dir: Path) -> set[int]:
+    """The pids of the group's node supervisors, as they recorded them (a stop kills them last)."""
+    found = (_read_json(sup) for sup in group_dir.glob("node-*/supervisor.json"))
+    return {int(sup["pid"]) for sup in found if sup and isinstance(sup.get("pid"), int)}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

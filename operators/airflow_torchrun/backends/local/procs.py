@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
+
+# How long a node's supervisor may outlive the SIGKILL of its node's other processes (stop_group's
+# ``last``): it needs a poll (50 ms) to see its agent gone, and a moment to write exit.json.
+LAST_GRACE_S = 2.0
 
 
 def _environ(pid: int) -> dict[bytes, bytes]:
@@ -98,29 +102,44 @@ def stop_group(
     grace: float = 10.0,
     exclude: int | None = None,
     reap: object = None,
+    last: Collection[int] = (),
 ) -> list[int]:
     """SIGTERM every process of the group (or node), SIGKILL what is left after ``grace`` seconds.
 
+    ``last``: processes (the nodes' supervisors) SIGKILLed only once the others are gone, or
+    :data:`LAST_GRACE_S` after them: a supervisor records how its node ended (``exit.json``) once its
+    agent is gone, and a SIGKILL at the same moment as its agent's would lose that record.
     Returns the PIDs that needed SIGKILL. Idempotent: with nothing running it returns at once.
     ``reap``, when given, is called while waiting so a parent can collect its dead children.
     """
+
+    def left() -> list[int]:
+        if callable(reap):
+            reap()
+        return group_pids(group_id, node_rank, exclude=exclude)
+
+    def wait(seconds: float) -> list[int]:
+        """What is still running once everything is gone, or after ``seconds``."""
+        deadline = time.monotonic() + seconds
+        pids = left()
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = left()
+        return pids
+
     pids = group_pids(group_id, node_rank, exclude=exclude)
     if not pids:
         return []
     signal_pids(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if callable(reap):
-            reap()
-        pids = group_pids(group_id, node_rank, exclude=exclude)
-        if not pids:
-            return []
-        time.sleep(0.05)
-    signal_pids(pids, signal.SIGKILL)
-    killed = pids
-    deadline = time.monotonic() + 5.0
-    while group_pids(group_id, node_rank, exclude=exclude) and time.monotonic() < deadline:
-        if callable(reap):
-            reap()
-        time.sleep(0.05)
+    pids = wait(grace)
+    if not pids:
+        return []
+    first = [p for p in pids if p not in last]
+    signal_pids(first, signal.SIGKILL)
+    killed = first
+    if len(first) < len(pids):
+        pids = wait(LAST_GRACE_S)
+        signal_pids(pids, signal.SIGKILL)
+        killed = killed + [p for p in pids if p not in killed]
+    wait(5.0)
     return killed
