@@ -29,11 +29,12 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_group import ROOT, WORK, progress, task_times, warm_up, write_dag
@@ -54,6 +55,7 @@ class Outcome:
     launch_to_first_s: float | None = None  # from the launcher's start (the task's start for ours)
     fresh_group_s: float | None = None  # ours only: the group's own launch -> first step
     reason: str = ""
+    phases: dict[str, float] = field(default_factory=dict)  # the standalone retry's, death -> first step
 
 
 def job_env(tag: str) -> dict[str, str]:
@@ -245,9 +247,60 @@ def standalone_runs(repeats: int) -> list[Outcome]:
                 outcome.fresh_group_s = first[0]["t"] - json.loads((group / "group.json").read_text())["launched_at"]
             if state != "success":
                 outcome.recovered, outcome.reason = False, outcome.reason or f"DAG run {state}"
+            elif outcome.recovered:
+                outcome.phases = retry_phases(server, run_id, env)
             progress("recovery", f"standalone retry {i + 1}/{repeats}", outcome)
             outcomes.append(outcome)
+    phased = [o.phases for o in outcomes if o.phases]
+    if phased:
+        print("Where the Airflow retry's time goes under airflow standalone (medians, s):", flush=True)
+        for name in phased[0]:
+            values = [p[name] for p in phased if name in p]
+            print(f"  {name:<58} {statistics.median(values):6.2f}  ({', '.join(f'{v:.2f}' for v in values)})")
     return outcomes
+
+
+# The retry's way from the rank's death to training again, each phase from one recorded moment to the
+# next: the job's death and first steps, the task instance's tries as the REST API has them (Airflow's
+# end, queued and start times), and the retry's own timeline (XCom ``timeline``).
+RETRY_PHASES = (
+    ("death -> try 1 ended (our verdict and teardown, Airflow's finish)", "died", "try1_end"),
+    ("try 1 ended -> try 2 queued (the scheduler)", "try1_end", "try2_queued"),
+    ("try 2 queued -> started (the executor's task process)", "try2_queued", "try2_start"),
+    ("try 2 started -> our execute() (the task runner)", "try2_start", "try_started"),
+    ("our execute() -> group launched (preflight, spawn)", "try_started", "launched"),
+    ("group launched -> first step (the fresh group)", "launched", "first_step"),
+)
+
+
+def retry_phases(server: object, run_id: str, env: dict[str, str]) -> dict[str, float]:
+    from datetime import datetime
+    from urllib.parse import quote
+
+    def when(value: object) -> float | None:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp() if value else None
+
+    at: dict[str, float | None] = {"died": float(Path(env["KILL_MARK"]).read_text())}
+    after = [e["t"] for e in first_steps(Path(env["EVENTS"])) if e["t"] > at["died"]]  # type: ignore[operator]
+    at["first_step"] = after[0] if after else None
+    dag_id, task_id = server.dag_id, server.task_id  # type: ignore[attr-defined]
+    code, data = server.request(  # type: ignore[attr-defined]
+        "GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances/{task_id}/tries"
+    )
+    tries = {int(t["try_number"]): t for t in (data or {}).get("task_instances", [])} if code == 200 else {}
+    at["try1_end"] = when(tries.get(1, {}).get("end_date"))
+    at["try2_queued"] = when(tries.get(2, {}).get("queued_when"))
+    at["try2_start"] = when(tries.get(2, {}).get("start_date"))
+    timeline = server.xcom(run_id, "timeline")  # type: ignore[attr-defined]
+    marks = json.loads(timeline) if isinstance(timeline, str) else timeline or []
+    for mark in ("try_started", "launched"):
+        found = [float(m["at"]) for m in marks if m.get("mark") == mark and m.get("launch") in (0, -1)]
+        at[mark] = found[0] if found else None
+    return {
+        name: round(at[b] - at[a], 3)  # type: ignore[operator]
+        for name, a, b in RETRY_PHASES
+        if at.get(a) is not None and at.get(b) is not None
+    }
 
 
 def report_rows(runs: dict[str, list[Outcome]], sa: list[Outcome], ray_missing: str) -> list[dict[str, object]]:
