@@ -44,7 +44,7 @@ from rows import Samples, row, write_json  # noqa: E402
 from airflow_torchrun.contract import RESUME_FROM  # noqa: E402
 from cluster import kube  # noqa: E402
 from cluster.layout import NAMESPACE, state  # noqa: E402
-from cluster.up import airflow_env  # noqa: E402
+from cluster.up import airflow_env, home_env  # noqa: E402
 
 WORK = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
 DEPLOYMENT = f"bench-{os.getpid()}"
@@ -69,15 +69,7 @@ def progress(what: str, value: object) -> None:
 
 
 def environment() -> dict[str, str]:
-    return {
-        **os.environ,
-        **airflow_env(state()),
-        "AIRFLOW_HOME": str(WORK / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(WORK / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__TORCHRUN__STATE_DIR": str(WORK / "torchrun"),
-        "AIRFLOW__TORCHRUN__DEPLOYMENT": DEPLOYMENT,
-    }
+    return home_env(airflow_env(state()), WORK, DEPLOYMENT)
 
 
 def write_dag(dag_id: str, script_args: list[str]) -> Path:

@@ -183,6 +183,20 @@ def airflow_env(st: State) -> dict[str, str]:
     }
 
 
+def home_env(cluster_env: dict[str, str], root: Path, deployment: str) -> dict[str, str]:
+    """The environment of an Airflow home laid out under ``root`` (``airflow/``, ``dags/``,
+    ``torchrun/``) that runs on the cluster (``cluster_env``: :func:`airflow_env`) as ``deployment``."""
+    return {
+        **os.environ,
+        **cluster_env,
+        "AIRFLOW_HOME": str(root / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__TORCHRUN__STATE_DIR": str(root / "torchrun"),
+        "AIRFLOW__TORCHRUN__DEPLOYMENT": deployment,
+    }
+
+
 def runtimes() -> dict[str, object]:
     """The platform's runtimes for this cluster: ``cpu`` (the name the shipped DAG uses) sized to
     the nodes (1.5 allocatable CPUs each), the trainer image imported into every node."""

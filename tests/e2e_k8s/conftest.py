@@ -28,7 +28,7 @@ import pytest
 
 from cluster import kube
 from cluster.layout import NAMESPACE, NODES, ROOT, state
-from cluster.up import airflow_env
+from cluster.up import airflow_env, home_env
 
 IN_CI = os.environ.get("CI", "").strip().lower() == "true"
 RUN_DEADLINE_S = 900.0
@@ -130,20 +130,6 @@ class Airflow:
                 (dag_id, task_id, key),
             ).fetchone()
         return None if row is None else json.loads(row[0])
-
-
-def home_env(cluster_env: dict[str, str], root: Path, deployment: str) -> dict[str, str]:
-    """The environment of an Airflow home laid out under ``root`` (``airflow/``, ``dags/``,
-    ``torchrun/``) that runs on the cluster as ``deployment``."""
-    return {
-        **os.environ,
-        **cluster_env,
-        "AIRFLOW_HOME": str(root / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__TORCHRUN__STATE_DIR": str(root / "torchrun"),
-        "AIRFLOW__TORCHRUN__DEPLOYMENT": deployment,
-    }
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import yaml
 
 from cluster.build import binary
 from cluster.layout import NAMESPACE, state
-
-from .conftest import home_env
+from cluster.up import home_env
 
 VARIANTS = {
     "plain": "",
