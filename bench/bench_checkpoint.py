@@ -1,11 +1,17 @@
 """Checkpoint benchmark: save/load throughput against a raw copy of the same bytes (ours with
-the checksums written and verified), the cost of the save on SIGTERM, and the training-time
-overhead of checkpointing in the example trainer.
+the checksums written and verified), the cost of the save on SIGTERM against a raw write of the same
+bytes, and the training-time overhead of checkpointing in the example trainer.
 
-Run standalone (about 3 minutes on 2 cores)::
+Each I/O row, and the save on SIGTERM, is paired: one of ours and one raw, alternating which goes
+first, repeated until the 95% interval of ours' throughput as a fraction of raw's (a geometric mean)
+is within about +/-5%, or a cap of pairs or seconds is reached (:data:`IO_RULES`, :data:`STOP_RULE`).
+The goal is 0.9 of raw. The disk of a virtual machine is noisy (a raw write of 168 MB took 0.08 s to
+0.5 s within one run here, of 1 GB 0.56 s to 2.2 s): medians of three could not tell 0.5 from 1.
 
-    .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--skip-s3] [--skip-train]
-        [--stop-sizes-mb 100,1000] [--json rows.json]
+Run standalone (about 5 minutes on 2 cores)::
+
+    .venv/bin/python bench/bench_checkpoint.py [--size-mb 160] [--repeat 3] [--max-pairs N] [--skip-s3]
+        [--skip-train] [--stop-sizes-mb 100,1000] [--json rows.json]
 
 S3 is moto's server on localhost (started here, in a process of its own), reached through s3fs over
 HTTP: compare S3 numbers with the raw PUT/GET of the same endpoint, not with the disk.
@@ -14,8 +20,11 @@ HTTP: compare S3 numbers with the raw PUT/GET of the same endpoint, not with the
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import io
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,6 +40,7 @@ from pathlib import Path
 
 import torch
 from rows import Samples, row, write_json
+from stats import Interval, RepeatRule, mean_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -45,6 +55,11 @@ class Row:
     raw_s: float  # median
     ours_all: list[float] = field(default_factory=list)  # every measurement, seconds
     raw_all: list[float] = field(default_factory=list)
+    stopped: str = ""  # why the pairs stopped (RepeatRule.stopped_by)
+
+    @property
+    def fraction(self) -> Interval | None:
+        return fraction_of_raw(self.ours_all, self.raw_all)
 
     def cells(self) -> list[str]:
         ours_rate = self.size_mb / self.ours_s
@@ -58,6 +73,7 @@ class Row:
             f"{self.raw_s:.2f}",
             f"{raw_rate:.0f}",
             f"{ours_rate / raw_rate:.2f}",
+            shown(self.fraction),
         ]
 
 
@@ -78,14 +94,72 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def interleaved(ours: Callable[[], object], raw: Callable[[], object], repeat: int) -> tuple[list[float], list[float]]:
-    """``repeat`` timings of each, alternating ours and raw (and which goes first)."""
+def _settle() -> None:
+    """Let the file system finish what the last run left (its deleted blocks are discarded at the
+    next journal commit on a disk mounted with ``discard``): the next run, ours or raw, starts clean."""
+    os.sync()
+
+
+def settled(fn: Callable[[], object]) -> float:
+    """``fn`` timed once the file system finished what the run before left (:func:`_settle`)."""
+    _settle()
+    return timed(fn)
+
+
+IO_GOAL = 0.9  # of raw's throughput, for writes and reads on both stores and the save on SIGTERM (issue 26)
+# Pairs per I/O row: at least --repeat, then until the 95% interval of ours / raw is within about
+# +/-5% (0.05 on the log scale), or the cap, or the budget. A save or load of 168 MB takes 0.1-0.5 s
+# on disk and 1-3 s through moto; a save on SIGTERM of 1 GB, with its process, 5-10 s a pair.
+_LOG = "on the log scale"
+IO_RULES = {
+    "file": RepeatRule(half_width=0.05, cap=30, budget_s=60, unit=_LOG),
+    "s3 (moto)": RepeatRule(half_width=0.05, cap=12, budget_s=120, unit=_LOG),
+}
+STOP_RULE = RepeatRule(half_width=0.05, cap=9, budget_s=150, unit=_LOG)
+
+
+def log_fractions(ours_t: list[float], raw_t: list[float]) -> list[float]:
+    """Per pair, ours' throughput as a fraction of raw's (raw seconds / ours seconds), as its log."""
+    return [math.log(r / o) for o, r in zip(ours_t, raw_t, strict=False) if o > 0 and r > 0]
+
+
+def fraction_of_raw(ours_t: list[float], raw_t: list[float]) -> Interval | None:
+    """Ours' throughput as a fraction of raw's over the pairs: the geometric mean of raw s / ours s,
+    with its 95% interval. A ratio is averaged on the log scale, where one slow moment of the disk
+    weighs the same on either side (the arithmetic mean of ratios is pulled up by ours' lucky pairs)."""
+    logs = log_fractions(ours_t, raw_t)
+    if not logs:
+        return None
+    i = mean_interval(logs)
+    return Interval(
+        math.exp(i.mean),
+        i.n,
+        None if i.low is None else math.exp(i.low),
+        None if i.high is None else math.exp(i.high),
+    )
+
+
+def shown(f: Interval | None) -> str:
+    """A fraction of raw with its interval, for the printed tables."""
+    if f is None:
+        return "-"
+    if f.low is None or f.high is None:
+        return f"{f.mean:.2f} (n={f.n})"
+    return f"{f.mean:.2f} (95%: {f.low:.2f} to {f.high:.2f}, n={f.n})"
+
+
+def paired(
+    ours: Callable[[], float], raw: Callable[[], float], rule: RepeatRule
+) -> tuple[list[float], list[float], str]:
+    """Seconds of each side (each call returns its own), one pair at a time, alternating which goes
+    first, while ``rule`` wants more pairs; and why they stopped."""
     ours_t: list[float] = []
     raw_t: list[float] = []
-    for i in range(repeat):
-        for side in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
-            (ours_t if side == "ours" else raw_t).append(timed(ours if side == "ours" else raw))
-    return ours_t, raw_t
+    started = time.perf_counter()
+    while rule.more(log_fractions(ours_t, raw_t), time.perf_counter() - started):
+        for side in ("ours", "raw") if len(ours_t) % 2 == 0 else ("raw", "ours"):
+            (ours_t if side == "ours" else raw_t).append(ours() if side == "ours" else raw())
+    return ours_t, raw_t, rule.stopped_by(log_fractions(ours_t, raw_t), time.perf_counter() - started)
 
 
 def progress(what: str) -> None:
@@ -100,7 +174,7 @@ def make_state(size_mb: int) -> dict[str, object]:
     return {"model": layers, "step": 1, "lr": 1e-3}
 
 
-def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int) -> list[Row]:
+def bench_io(backend: str, root_uri: str, state: dict[str, object], rule: RepeatRule) -> list[Row]:
     from airflow_torchrun.storage.checkpoints import CheckpointStore
     from airflow_torchrun.worker import load_checkpoint, save_checkpoint
 
@@ -147,9 +221,11 @@ def bench_io(backend: str, root_uri: str, state: dict[str, object], repeat: int)
     med = statistics.median
     rows = []
     for op, ours_fn, raw_fn in (("write", ours_write, raw_write), ("read", ours_read, raw_read)):
-        ours_t, raw_t = interleaved(ours_fn, raw_fn, repeat)
-        rows.append(Row(backend, op, size_mb, med(ours_t), med(raw_t), ours_t, raw_t))
+        ours_t, raw_t, stopped = paired(functools.partial(settled, ours_fn), functools.partial(settled, raw_fn), rule)
+        r = Row(backend, op, size_mb, med(ours_t), med(raw_t), ours_t, raw_t, stopped)
+        rows.append(r)
         progress(f"{backend} {op} {size_mb:.0f} MB: ours {med(ours_t):.2f} s, raw {med(raw_t):.2f} s")
+        progress(f"{backend} {op}: ours / raw throughput {shown(r.fraction)}; {stopped}")
     fs.rm(store.location.path, recursive=True)
     return rows
 
@@ -168,42 +244,102 @@ save_if_stopping(state, 1)  # the next step boundary: saves step 1 and exits 75
 """
 
 
+# The anchor of the save on SIGTERM: the same tensors' bytes written raw by a process like the one
+# above (write, fsync, the directory's fsync), timed from the first write to the last fsync.
+RAW_CHILD = """
+import ctypes, json, os, sys, time
+import torch
+count = max(1, round(int(sys.argv[2]) / 4))
+tensors = [torch.randn(1024, 1024) for _ in range(count)]
+path = sys.argv[1]
+started = time.time()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+for t in tensors:
+    n = t.numel() * t.element_size()
+    view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+os.fsync(fd)
+os.close(fd)
+folder = os.open(os.path.dirname(path), os.O_RDONLY)
+os.fsync(folder)
+os.close(folder)
+print(json.dumps({"seconds": time.time() - started, "bytes": os.path.getsize(path)}), flush=True)
+"""
+
+
 @dataclass
 class StopRow:
-    size_mb: float
-    seconds: float  # signal -> committed marker, median
+    requested_mb: int  # the state's size asked for
+    size_mb: float  # what the checkpoint holds
+    ours_all: list[float]  # signal -> committed marker, each repeat
+    raw_all: list[float]  # the raw write of the same bytes, each repeat
+    stopped: str = ""  # why the pairs stopped (RepeatRule.stopped_by)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.ours_all)
+
+    @property
+    def fraction(self) -> Interval | None:
+        return fraction_of_raw(self.ours_all, self.raw_all)
 
 
-def bench_stop(root: Path, sizes_mb: list[int], repeat: int) -> list[StopRow]:
-    """Seconds from SIGTERM to the committed checkpoint of the next step boundary (one process)."""
+def bench_stop(root: Path, sizes_mb: list[int], rule: RepeatRule) -> list[StopRow]:
+    """Seconds from SIGTERM to the committed checkpoint of the next step boundary (one process),
+    paired with a raw write of the same bytes by a process like it."""
     import json
 
     from airflow_torchrun.contract import STOPPED_TO_SAVE_EXIT_CODE
     from airflow_torchrun.storage.checkpoints import CheckpointStore
 
+    written: list[float] = []
+
+    def ours(size: int) -> float:
+        _settle()
+        uri = f"file://{root}/stop-{uuid.uuid4().hex[:8]}"
+        env = {**os.environ, "TRAIN_CHECKPOINT_URI": uri, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c", STOP_CHILD, uri, str(size)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if proc.returncode != STOPPED_TO_SAVE_EXIT_CODE:
+            raise RuntimeError(f"the stop child exited {proc.returncode}: {proc.stderr[-2000:]}")
+        signalled = json.loads(proc.stdout.strip().splitlines()[-1])["signalled"]
+        store = CheckpointStore(uri)
+        marker = store.read_marker(1)
+        shutil.rmtree(store.location.path, ignore_errors=True)
+        written.append(marker["total_bytes"] / 1e6)
+        return float(marker["committed_at"]) - signalled
+
+    def raw(size: int) -> float:
+        _settle()
+        path = root / f"raw-{uuid.uuid4().hex[:8]}.bin"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c", RAW_CHILD, str(path), str(size)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        path.unlink()
+        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+
     rows = []
     for size in sizes_mb:
-        times = []
-        for _ in range(repeat):
-            uri = f"file://{root}/stop-{uuid.uuid4().hex[:8]}"
-            env = {**os.environ, "TRAIN_CHECKPOINT_URI": uri, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run(
-                [sys.executable, "-c", STOP_CHILD, uri, str(size)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                check=False,
-            )
-            if proc.returncode != STOPPED_TO_SAVE_EXIT_CODE:
-                raise RuntimeError(f"the stop child exited {proc.returncode}: {proc.stderr[-2000:]}")
-            signalled = json.loads(proc.stdout.strip().splitlines()[-1])["signalled"]
-            store = CheckpointStore(uri)
-            marker = store.read_marker(1)
-            times.append(float(marker["committed_at"]) - signalled)
-            size_mb = marker["total_bytes"] / 1e6
-            shutil.rmtree(store.location.path, ignore_errors=True)
-        rows.append(StopRow(size_mb, statistics.median(times)))
+        ours_all, raw_all, stopped = paired(functools.partial(ours, size), functools.partial(raw, size), rule)
+        r = StopRow(size, written[-1], ours_all, raw_all, stopped)
+        rows.append(r)
+        progress(
+            f"save on SIGTERM, {r.size_mb:.0f} MB: ours {r.seconds:.2f} s, raw {statistics.median(raw_all):.2f} s; "
+            f"ours / raw throughput {shown(r.fraction)}"
+        )
     return rows
 
 
@@ -303,6 +439,22 @@ class TrainRow:
         return [self.mode, f"{self.train_s:.2f}", f"{overhead:+.1f}%", f"{self.blocked_s:.3f}", f"{share:.1f}%"]
 
 
+def fraction_row(measure: str, r: Row | StopRow) -> dict[str, object]:
+    """The paired row of ``r``: ours' throughput as a fraction of raw's (geometric mean, 95% interval)
+    against the goal of :data:`IO_GOAL`."""
+    f = r.fraction
+    return row(
+        f"{measure}: ours / raw throughput (paired; geometric mean)",
+        f.mean if f is not None else Samples([], 0),
+        "goal",
+        IO_GOAL,
+        "x raw",
+        repeats=f.n if f is not None else 0,
+        interval=(f.low, f.high) if f is not None and f.low is not None else None,
+        note=r.stopped,
+    )
+
+
 def report_rows(
     io_rows: list[Row], train_rows: list[TrainRow], stop_rows: list[StopRow] | None = None
 ) -> list[dict[str, object]]:
@@ -319,6 +471,7 @@ def report_rows(
         )
         for r in io_rows
     ]
+    rows += [fraction_row(f"checkpoint {r.op} (verified), {r.backend}, {r.size_mb:.0f} MB", r) for r in io_rows]
     rows += [
         row(
             f"example trainer's training time, {t.mode}",
@@ -332,9 +485,16 @@ def report_rows(
         if t.mode != "no checkpointing"
     ]
     rows += [
-        row(f"save on SIGTERM, file, {r.size_mb:.0f} MB: signal to committed", r.seconds, "none", None, "s")
+        row(
+            f"save on SIGTERM, file://, {r.requested_mb} MB state ({r.size_mb:.0f} MB written): signal to committed",
+            Samples(r.ours_all),
+            "raw write of the same bytes (fsync), a process like ours",
+            Samples(r.raw_all),
+            "s",
+        )
         for r in stop_rows or []
     ]
+    rows += [fraction_row(f"save on SIGTERM, file://, {r.requested_mb} MB state", r) for r in stop_rows or []]
     return rows
 
 
@@ -381,7 +541,19 @@ def bench_training(epochs: int, repeat: int, workdir: Path) -> list[TrainRow]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=160, help="size of the state dict (default 160 MB)")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements per number; the median is shown")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="measurements per number (the median is shown); for the I/O rows, the fewest pairs",
+    )
+    parser.add_argument(
+        "--max-pairs",
+        type=int,
+        default=None,
+        help="the most pairs per paired row (default: 30 on disk, 12 on S3, 9 for the save on SIGTERM; fewer "
+        "when the interval is narrow sooner)",
+    )
     parser.add_argument("--epochs", type=int, default=30, help="trainer epochs for the overhead runs (default 30)")
     parser.add_argument("--skip-s3", action="store_true", help="no S3 (moto) measurements")
     parser.add_argument("--skip-train", action="store_true", help="no training-overhead measurements")
@@ -396,7 +568,11 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
         state = make_state(args.size_mb)
-        rows = bench_io("file", f"file://{workdir}/ckpt", state, args.repeat)
+        rules = {
+            backend: dataclasses.replace(rule, minimum=args.repeat, cap=max(args.repeat, args.max_pairs or rule.cap))
+            for backend, rule in IO_RULES.items()
+        }
+        rows = bench_io("file", f"file://{workdir}/ckpt", state, rules["file"])
         if not args.skip_s3:
             server, _ = start_moto()
             import boto3
@@ -404,13 +580,13 @@ def main() -> None:
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             boto3.client("s3").create_bucket(Bucket=bucket)
             try:
-                rows += bench_io("s3 (moto)", f"s3://{bucket}/ckpt", state, args.repeat)
+                rows += bench_io("s3 (moto)", f"s3://{bucket}/ckpt", state, rules["s3 (moto)"])
             finally:
                 server.kill()
                 server.wait()
         print()
-        print(f"Checkpoint I/O, single process, median of {args.repeat} (MB = 1e6 bytes)")
-        header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw"]
+        print("Checkpoint I/O, single process, medians of the pairs (MB = 1e6 bytes)")
+        header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw", "paired ours/raw"]
         print(table(header, [r.cells() for r in rows]))
         print("ours = save_checkpoint/load_checkpoint (torch.save/load, CRC-32 of every byte written and")
         print("verified on load, commit marker); raw = the same bytes written (fsync + rename on disk) or read.")
@@ -418,10 +594,19 @@ def main() -> None:
         spec = args.stop_sizes_mb if args.stop_sizes_mb is not None else ("100,1000" if args.size_mb >= 100 else "")
         sizes = [int(x) for x in spec.split(",") if x.strip()] or [args.size_mb]
         if sizes:
-            stop_rows = bench_stop(workdir, sizes, args.repeat)
+            cap = max(args.repeat, args.max_pairs or STOP_RULE.cap)
+            stop_rows = bench_stop(workdir, sizes, dataclasses.replace(STOP_RULE, minimum=args.repeat, cap=cap))
             print()
             print(f"Save on SIGTERM (save_if_stopping), file://, one process, median of {args.repeat}")
-            print(table(["MB", "signal -> committed s"], [[f"{r.size_mb:.0f}", f"{r.seconds:.2f}"] for r in stop_rows]))
+            print(
+                table(
+                    ["MB", "signal -> committed s", "raw write s"],
+                    [
+                        [f"{r.size_mb:.0f}", f"{r.seconds:.2f}", f"{statistics.median(r.raw_all):.2f}"]
+                        for r in stop_rows
+                    ],
+                )
+            )
         train_rows: list[TrainRow] = []
         if not args.skip_train:
             del state

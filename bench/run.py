@@ -59,7 +59,11 @@ class Bench:
 BENCHES = (
     Bench("bench_group.py", ("--repeats", "3"), ("--repeats", "1", "--max-pairs", "1", "--steps", "50")),
     Bench("bench_recovery.py", ("--repeats", "3"), ("--repeats", "1", "--standalone-repeats", "0")),
-    Bench("bench_checkpoint.py", ("--repeat", "3"), ("--size-mb", "8", "--repeat", "1", "--epochs", "2")),
+    Bench(
+        "bench_checkpoint.py",
+        ("--repeat", "3"),
+        ("--size-mb", "8", "--repeat", "1", "--max-pairs", "1", "--epochs", "2"),
+    ),
     Bench("bench_interval.py", ("--repeats", "2"), ("--repeats", "1", "--epochs", "4", "--fixed", "5")),
     # On the cluster of `make cluster` when one runs (its rows say "not run" otherwise).
     Bench("bench_cluster.py", ("--repeats", "3"), ("--repeats", "1")),
@@ -118,6 +122,13 @@ def lower_ratio(r: dict[str, Any]) -> Span:
 
 def higher_ratio(r: dict[str, Any]) -> Span:
     return r["ratio"], _div(r.get("ours_min"), r.get("anchor_max")), _div(r.get("ours_max"), r.get("anchor_min"))
+
+
+def higher_value(r: dict[str, Any]) -> Span:
+    """Ours where higher is better: a mean's worst is the low end of its 95% interval."""
+    if r.get("ci_high") is not None and r.get("ci_low") is not None:
+        return r["ours"], r["ci_low"], r["ci_high"]
+    return r["ours"], r.get("ours_min"), r.get("ours_max")
 
 
 def ours_value(r: dict[str, Any]) -> Span:
@@ -227,7 +238,22 @@ GOALS = (
         ours_minus_anchor,
         lambda x: x <= 0.5,
     ),
-    Goal("checkpoint write/read >= 0.9 of raw", "checkpoint ", "raw copy", higher_ratio, lambda x: x >= 0.9),
+    # Pair by pair (bench_checkpoint.py's paired rows): the medians of two noisy sides could not tell.
+    Goal("checkpoint write/read >= 0.9 of raw", "checkpoint ", "goal", higher_value, lambda x: x >= 0.9),
+    Goal(
+        "save on SIGTERM at >= 0.9 of a raw write's throughput",
+        "save on SIGTERM",
+        "goal",
+        higher_value,
+        lambda x: x >= 0.9,
+    ),
+    Goal(
+        "save on SIGTERM of 1 GB within 1.5 s (issue 26)",
+        "save on SIGTERM, file://, 1000 MB state",
+        "raw write",
+        ours_value,
+        lambda x: x <= 1.5,
+    ),
     Goal(
         "should_checkpoint's goodput >= a fixed interval's, same failures (issue 24)",
         "goodput (ETTR) under",

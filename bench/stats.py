@@ -67,6 +67,7 @@ class RepeatRule:
     half_width: float = 0.1
     cap: int = 12
     budget_s: float = 600.0
+    unit: str = "s"  # of the differences, for the note ("" for a ratio)
 
     def more(self, differences: Sequence[float], spent_s: float) -> bool:
         n = len(differences)
@@ -81,8 +82,9 @@ class RepeatRule:
         """Why the repeats stopped, for the row's note."""
         n = len(differences)
         half = mean_interval(differences).half_width if differences else None
+        unit = f" {self.unit}" if self.unit else ""
         if half is not None and half <= self.half_width and n >= self.minimum:
-            return f"{n} pairs: the 95% interval reached +/-{self.half_width:g} s"
-        reached = "no interval" if half is None else f"95% interval +/-{half:.2f} s"
+            return f"{n} pairs: the 95% interval reached +/-{self.half_width:g}{unit}"
+        reached = "no interval" if half is None else f"95% interval +/-{half:.2f}{unit}"
         why = f"the cap of {self.cap} pairs" if n >= self.cap else f"the time budget of {self.budget_s:.0f} s"
-        return f"{n} pairs, stopped by {why} ({reached}; target +/-{self.half_width:g} s)"
+        return f"{n} pairs, stopped by {why} ({reached}; target +/-{self.half_width:g}{unit})"

@@ -225,7 +225,79 @@ def test_the_checkpoint_benchmark_reports_throughput_and_training_rows():
     ]
     report = bench_checkpoint.report_rows(io_rows, train_rows)
     assert rows.check(report) == report
-    assert [(r["unit"], r["ratio"]) for r in report] == [("MB/s", 0.5), ("s", 1.1)]
+    assert [(r["unit"], r["ratio"]) for r in report] == [("MB/s", 0.5), ("x raw", 0.5556), ("s", 1.1)]
+
+
+def test_the_checkpoint_rows_are_paired_fractions_of_raw_on_the_log_scale():
+    pytest.importorskip("torch")
+    import bench_checkpoint
+
+    # Two pairs: ours twice as slow, then twice as fast. Their arithmetic mean of raw/ours is 1.25;
+    # the geometric mean, 1: a lucky pair of ours weighs no more than an unlucky one.
+    r = bench_checkpoint.Row("file", "write", 100.0, 1.5, 1.5, ours_all=[2.0, 1.0], raw_all=[1.0, 2.0])
+    assert r.fraction is not None and r.fraction.mean == pytest.approx(1.0) and r.fraction.n == 2
+    # A save on SIGTERM pairs the same way; ours at 0.8 of raw in every pair: a narrow interval there.
+    stop = bench_checkpoint.StopRow(1000, 1049.0, [1.25, 2.5, 1.875], [1.0, 2.0, 1.5], "3 pairs")
+    report = bench_checkpoint.report_rows([r], [], [stop])
+    assert rows.check(report) == report
+    paired = {x["measure"]: x for x in report if x["anchor"] == "goal"}
+    io = paired["checkpoint write (verified), file, 100 MB: ours / raw throughput (paired; geometric mean)"]
+    assert io["ours"] == pytest.approx(1.0) and io["repeats"] == 2 and io["ci_low"] < 1.0 < io["ci_high"]
+    sigterm = paired["save on SIGTERM, file://, 1000 MB state: ours / raw throughput (paired; geometric mean)"]
+    assert sigterm["ours"] == pytest.approx(0.8) and sigterm["ci_low"] == pytest.approx(0.8)
+    assert sigterm["note"] == "3 pairs"
+    both = next(x for x in report if x["measure"].startswith("save on SIGTERM") and x["anchor"] != "goal")
+    assert both["measure"] == "save on SIGTERM, file://, 1000 MB state (1049 MB written): signal to committed"
+    assert (both["ours"], both["anchor_value"], both["repeats"]) == (1.875, 1.5, 3)
+    # The goals: the write at 1.0 of raw holds by its mean only (the interval reaches below 0.9); the save
+    # on SIGTERM at 0.8 misses in every pair; its median 1.875 s misses the 1.5 s of issue 26, but its best
+    # repeat (1.25 s) meets it: within the noise.
+    met = {(line.split(" | ")[0], line.split(" | ")[1]): line.split(" | ")[-1] for line in run.goal_lines(report)}
+    assert met[("| checkpoint write/read >= 0.9 of raw", io["measure"] + " vs goal")].startswith(
+        "yes, by the mean only (95% interval"
+    )
+    assert met[("| save on SIGTERM at >= 0.9 of a raw write's throughput", sigterm["measure"] + " vs goal")].startswith(
+        "NO, with its 95% interval"
+    )
+    sigterm_goal = ("| save on SIGTERM of 1 GB within 1.5 s (issue 26)", both["measure"] + " vs " + both["anchor"])
+    assert met[sigterm_goal] == "NO, by the medians only (within noise) |"
+
+
+def test_a_paired_row_repeats_until_its_interval_is_narrow_or_a_cap():
+    pytest.importorskip("torch")
+    import bench_checkpoint
+    from stats import RepeatRule
+
+    # Ours at 0.9 of raw in every pair: no spread, so the interval is narrow after the fewest pairs.
+    ours_t, raw_t, why = bench_checkpoint.paired(
+        lambda: 1.0, lambda: 0.9, RepeatRule(minimum=3, half_width=0.05, cap=20, unit="")
+    )
+    assert len(ours_t) == len(raw_t) == 3 and why == "3 pairs: the 95% interval reached +/-0.05"
+    # Ours alternately twice as slow and twice as fast: it never narrows; the cap stops it.
+    noisy = iter([2.0, 0.5] * 50)
+    ours_t, raw_t, why = bench_checkpoint.paired(
+        lambda: next(noisy), lambda: 1.0, RepeatRule(minimum=3, half_width=0.05, cap=6, unit="")
+    )
+    assert len(ours_t) == 6 and why.startswith("6 pairs, stopped by the cap of 6 pairs (95% interval +/-")
+
+
+def test_the_repeat_rule_and_the_t_interval():
+    from stats import RepeatRule, mean_interval, t95
+
+    assert t95(1) == 12.706 and t95(30) == 2.042 and t95(100) == 1.96
+    with pytest.raises(ValueError):
+        t95(0)
+    interval = mean_interval([1.0, 2.0, 3.0])  # mean 2, sd 1: 2 +/- 4.303 / sqrt(3)
+    assert interval.mean == 2.0 and interval.half_width == pytest.approx(4.303 / 3**0.5)
+    assert mean_interval([5.0]).half_width is None
+    rule = RepeatRule(minimum=3, half_width=0.1, cap=5, budget_s=10.0)
+    assert rule.more([0.1, 0.1], 0.0)  # fewer than the minimum
+    assert not rule.more([0.1, 0.1, 0.1], 0.0)  # no spread: narrow enough
+    assert rule.more([0.0, 1.0, 0.0], 0.0)  # wide
+    assert not rule.more([0.0, 1.0, 0.0, 1.0, 0.0], 0.0)  # the cap
+    assert not rule.more([0.0, 1.0, 0.0], 10.0)  # the budget
+    assert rule.stopped_by([0.0, 1.0, 0.0], 10.0).startswith("3 pairs, stopped by the time budget of 10 s")
+    assert RepeatRule(unit="").stopped_by([0.1] * 3, 1.0) == "3 pairs: the 95% interval reached +/-0.1"
 
 
 def test_make_bench_runs_the_runner():
