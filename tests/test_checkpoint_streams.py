@@ -1,18 +1,22 @@
 """Checkpoint bytes on S3 (moto's server over HTTP, through s3fs): uploaded in parts while written,
 read back in concurrent ranges, the CRC-32 of every byte computed on the way; an abandoned upload
-leaves neither an object nor an open multipart upload. The range plan is pure."""
+leaves neither an object nor an open multipart upload. The range plan is pure. On file://, a large
+file goes past the page cache (O_DIRECT), byte-exact, with a fallback where the file system refuses."""
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 
 import pytest
 
 from airflow_torchrun.storage.checkpoints import checksum_text
+from airflow_torchrun.worker.checkpoint import streams
 from airflow_torchrun.worker.checkpoint.streams import (
     S3_PART_BYTES,
     S3_READ_MAX_RANGE,
+    DirectWriter,
     S3PartWriter,
     read_ranges,
     s3_read,
@@ -93,3 +97,130 @@ def test_an_abandoned_upload_leaves_no_object_and_no_open_upload(moto_s3, fs) ->
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
     with pytest.raises(FileNotFoundError):
         s3_read(fs, f"{bucket}/torn.pt")
+
+
+# --- file:// past the page cache -------------------------------------------------------------------
+
+
+def _direct_file(tmp_path, buffer_bytes: int, records: list[bytes], **kwargs):  # type: ignore[no-untyped-def]
+    path = tmp_path / "state.pt.tmp"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        writer = DirectWriter(fd, buffer_bytes=buffer_bytes, **kwargs)
+        for record in records:
+            writer.write(record)
+        writer.close()
+    finally:
+        os.close(fd)
+    return writer, path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [],  # an empty file
+        [1],  # a tail shorter than one alignment unit
+        [4096 * 4],  # exactly one buffer
+        [4096 * 4 + 1],  # one byte into the second
+        [7, 4096 * 9 + 5, 3, 4096 * 4 - 10, 50_001],  # records across many buffer boundaries
+    ],
+)
+def test_the_direct_writer_writes_every_byte_and_its_crc_across_buffer_boundaries(tmp_path, sizes) -> None:  # type: ignore[no-untyped-def]
+    records = [os.urandom(size) for size in sizes]
+    writer, written = _direct_file(tmp_path, 4096 * 4, records, buffers=2)
+    expected = b"".join(records)
+    assert written == expected  # the padding of the last aligned write is cut off again
+    assert writer.size == len(expected)
+    assert writer.checksum == checksum_text(zlib.crc32(expected))
+
+
+def test_the_direct_writer_falls_back_to_the_page_cache_where_o_direct_is_refused_at_the_switch(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    real_fcntl = streams.fcntl.fcntl
+
+    def refuse_direct(fd: int, command: int, arg: int = 0) -> int:
+        if command == streams.fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(streams.fcntl, "fcntl", refuse_direct)
+    records = [os.urandom(100_000), os.urandom(3)]
+    writer, written = _direct_file(tmp_path, 4096 * 4, records)
+    assert writer.direct is False
+    assert written == b"".join(records)
+
+
+def test_the_direct_writer_falls_back_when_the_file_system_refuses_its_first_write(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    real_pwrite = os.pwrite
+    refused: list[int] = []
+
+    def pwrite(fd: int, data, offset: int) -> int:  # type: ignore[no-untyped-def]
+        if streams.fcntl.fcntl(fd, streams.fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(streams.os, "pwrite", pwrite)
+    records = [os.urandom(4096 * 9 + 17)]
+    writer, written = _direct_file(tmp_path, 4096 * 4, records)
+    assert refused == [0]  # refused once, then every buffer went through the page cache
+    assert writer.direct is False
+    assert written == records[0]
+
+
+def test_a_direct_write_error_reaches_the_caller_and_the_buffers_are_freed(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def full_disk(fd: int, data, offset: int) -> int:  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(streams.os, "pwrite", full_disk)
+    fd = os.open(tmp_path / "state.pt.tmp", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        writer = DirectWriter(fd, buffer_bytes=4096, buffers=2)
+        with pytest.raises(OSError, match="No space left"):
+            for _ in range(4):  # the first full buffer's error is raised when its buffer is needed again
+                writer.write(os.urandom(4096))
+            writer.close()
+        writer.release()
+        assert all(buffer.closed for buffer in writer._buffers)
+    finally:
+        os.close(fd)
+
+
+def test_a_large_state_is_written_direct_and_loads_back_verified(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
+    from airflow_torchrun.worker.checkpoint import files
+
+    chosen: list[str] = []
+    real_direct = files.DirectWriter
+
+    def direct(fd: int) -> DirectWriter:
+        chosen.append("direct")
+        return real_direct(fd, buffer_bytes=64 << 10)
+
+    monkeypatch.setattr(streams, "DIRECT_BYTES", 1 << 20)
+    monkeypatch.setattr(files, "DirectWriter", direct)
+    store = CheckpointStore(tmp_path.as_uri())
+    state = {"weight": torch.randn(512, 1024), "shared": [torch.arange(10)] * 2, "step": 3}
+    assert files.tensor_bytes(state) == 512 * 1024 * 4 + 10 * 8  # the shared storage counted once
+    path = str(tmp_path / "big.pt")
+    size, checksum = files.write_torch(store, path, state)
+    assert chosen == ["direct"]
+    assert size == os.path.getsize(path)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    loaded = files.read_torch(store, path, map_location="cpu", weights_only=True, size=size, checksum=checksum)
+    assert torch.equal(loaded["weight"], state["weight"]) and loaded["step"] == 3
+
+    small = str(tmp_path / "small.pt")
+    files.write_torch(store, small, {"bias": torch.zeros(10)})
+    assert chosen == ["direct"]  # a small file stays in the page cache
+
+
+def test_the_readme_states_the_writers_thresholds_as_the_code_has_them() -> None:
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"a file of {streams.DIRECT_BYTES >> 20} MiB or more written past the page cache (`O_DIRECT`" in text
+    assert f"parts go up {streams.S3_CONCURRENCY} at a time" in text

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from airflow_torchrun.storage.checkpoints import CheckpointStore, checksum_text, crc32_of
-from airflow_torchrun.worker.checkpoint.streams import DiskWriter, S3PartWriter, s3_read
+from airflow_torchrun.worker.checkpoint import streams
+from airflow_torchrun.worker.checkpoint.streams import DirectWriter, DiskWriter, S3PartWriter, s3_read
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +97,44 @@ def _no_zip_checksums() -> Iterator[None]:
         yield
 
 
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors ``obj`` holds (in mappings, lists and tuples), each storage once:
+    about what ``torch.save`` will write."""
+    seen: set[int] = set()
+
+    def walk(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() in seen:
+                return 0
+            seen.add(storage.data_ptr())
+            return int(storage.nbytes())
+        if isinstance(value, Mapping):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, list | tuple):
+            return sum(walk(v) for v in value)
+        return 0
+
+    return walk(obj)
+
+
 def write_torch(store: CheckpointStore, path: str, obj: Any) -> tuple[int, str]:
     """torch.save ``obj`` to ``path`` (a temp name, one fsync, an atomic rename locally; one
-    multipart upload on S3) and return its size and checksum, computed as the bytes go out."""
+    multipart upload on S3) and return its size and checksum, computed as the bytes go out.
+    A large file goes to the disk past the page cache (:class:`~.streams.DirectWriter`)."""
     with _no_zip_checksums():
         if store.location.scheme == "file":
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            disk: DiskWriter | DirectWriter | None = None
             try:
-                disk = DiskWriter(fd)
+                disk = DirectWriter(fd) if tensor_bytes(obj) >= streams.DIRECT_BYTES else DiskWriter(fd)
                 torch.save(obj, disk)  # type: ignore[arg-type]
                 disk.close()
             except BaseException:
+                if isinstance(disk, DirectWriter):
+                    disk.release()
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)

@@ -8,6 +8,12 @@ memoryview valid only during the call). The writers here take each one as it com
   the GIL, so on two cores they overlap), and the disk's writeback of what is written so far is
   started every :data:`WRITEBACK_BYTES` (``sync_file_range``), so the one ``fsync`` at the end only
   waits for the tail: serialisation and the disk's write overlap.
+- :class:`DirectWriter` (``file://``, a file of :data:`DIRECT_BYTES` or more): the page cache is
+  left out (``O_DIRECT``). Past a few hundred MB, buffered writes are throttled by the kernel's
+  dirty-page limits (a cgroup's memory limit lowers them): one GB took 0.46 s to 2.5 s buffered on
+  our 2-core machines, and 0.42 s to 0.54 s direct. Records are copied, and checksummed, into
+  aligned buffers on this thread while the helper thread writes the full ones to the disk. Where the
+  file system refuses ``O_DIRECT``, it falls back to buffered writes of the same buffers.
 - :class:`S3PartWriter` (``s3://``): a multipart upload whose parts go out while later records are
   still being serialised, :data:`S3_CONCURRENCY` at a time, on s3fs's own event loop; an object
   smaller than one part is a single PUT. Aborted on any error: nothing half-uploaded is left.
@@ -23,6 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
+import fcntl
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -38,6 +47,12 @@ if TYPE_CHECKING:
 PARALLEL_BYTES = 1 << 20
 # Start the disk's writeback every so many bytes written.
 WRITEBACK_BYTES = 32 << 20
+# A file expected to be at least this big is written with O_DIRECT (DirectWriter); below it the page
+# cache takes the bytes at memory speed and the fsync is short (168 MB: 0.075 s buffered, 0.11 s direct).
+DIRECT_BYTES = 256 << 20
+DIRECT_BUFFER_BYTES = 16 << 20  # each of DIRECT_BUFFERS aligned buffers
+DIRECT_BUFFERS = 3  # one filling, up to two written
+DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT I/O (mmap's are page-aligned)
 S3_PART_BYTES = 16 << 20  # S3's minimum part is 5 MiB (the last one excepted)
 S3_CONCURRENCY = 4
 S3_READ_MAX_RANGE = 128 << 20  # a larger object is read in more ranges than S3_CONCURRENCY
@@ -147,6 +162,120 @@ class DiskWriter:
         if self._writeback is not None:
             self._writeback.result()
         os.fsync(self.fd)
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+class DirectWriter:
+    """A write-only file object over ``fd`` for ``torch.save`` that bypasses the page cache.
+
+    Each record is checksummed and copied into one of ``buffers`` aligned buffers; a full buffer is
+    written at its offset (``pwrite``) by the helper thread while the next one fills. :meth:`close`
+    writes the tail padded to the alignment, cuts the file to its size and makes it durable. A file
+    system that refuses ``O_DIRECT`` (at the switch, or at the first write: EINVAL) gets the same
+    buffers through the page cache; ``direct`` says which it was.
+    """
+
+    def __init__(self, fd: int, *, buffer_bytes: int = DIRECT_BUFFER_BYTES, buffers: int = DIRECT_BUFFERS) -> None:
+        if buffer_bytes % DIRECT_ALIGN:
+            raise ValueError(f"buffer_bytes must be a multiple of {DIRECT_ALIGN}, got {buffer_bytes}")
+        self.fd = fd
+        self.crc = 0
+        self.size = 0
+        self._flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, self._flags | os.O_DIRECT)
+            self.direct = True
+        except OSError:
+            self.direct = False
+        self._buffers = [mmap.mmap(-1, buffer_bytes) for _ in range(max(2, buffers))]
+        self._pending: list[Future[Any] | None] = [None] * len(self._buffers)
+        self._current = 0
+        self._fill = 0
+        self._offset = 0  # of the current buffer in the file
+        self._lock = threading.Lock()  # the switch to buffered writes, if the file system refuses
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        count = view.nbytes
+        self.crc = crc32_of(view, self.crc)
+        self.size += count
+        room = len(self._buffers[0])
+        while view.nbytes:
+            take = min(room - self._fill, view.nbytes)
+            self._buffers[self._current][self._fill : self._fill + take] = view[:take]
+            self._fill += take
+            view = view[take:]
+            if self._fill == room:
+                self._send(room)
+        return count
+
+    def _send(self, length: int) -> None:
+        """Hand the current buffer (its first ``length`` bytes) to the helper; take the next free one."""
+        buffer, offset = self._buffers[self._current], self._offset
+        self._pending[self._current] = _helper().submit(lambda: self._pwrite(buffer, length, offset))
+        self._offset += length
+        self._current = (self._current + 1) % len(self._buffers)
+        self._fill = 0
+        waiting = self._pending[self._current]
+        if waiting is not None:
+            self._pending[self._current] = None
+            waiting.result()  # re-raises the write's error here
+
+    def _pwrite(self, buffer: mmap.mmap, length: int, offset: int) -> None:
+        view = memoryview(buffer)[:length]
+        try:
+            while view.nbytes:
+                try:
+                    written = os.pwrite(self.fd, view, offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or not self.direct:
+                        raise
+                    self._buffered()  # accepted at the switch, refused at the write
+                    continue
+                view, offset = view[written:], offset + written
+        finally:
+            view.release()
+
+    def _buffered(self) -> None:
+        with self._lock:
+            if self.direct:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags & ~os.O_DIRECT)
+                self.direct = False
+
+    def flush(self) -> None:
+        pass  # buffers go out as they fill; the last one at close
+
+    def close(self) -> None:
+        """Durable: every byte on the disk, the file cut to its size (the rename is the caller's)."""
+        try:
+            if self._fill:
+                tail = self._fill
+                padded = -(-tail // DIRECT_ALIGN) * DIRECT_ALIGN
+                self._buffers[self._current][tail:padded] = bytes(padded - tail)
+                self._send(padded)
+            for index, waiting in enumerate(self._pending):
+                if waiting is not None:
+                    self._pending[index] = None
+                    waiting.result()
+            os.ftruncate(self.fd, self.size)
+            os.fsync(self.fd)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Wait for the writes in flight and free the buffers (also after an error)."""
+        for waiting in self._pending:
+            if waiting is not None:
+                try:
+                    waiting.result()
+                except Exception:  # the save failed already; its error is what is raised
+                    pass
+        self._pending = [None] * len(self._pending)
+        for buffer in self._buffers:
+            buffer.close()
 
     @property
     def checksum(self) -> str:
