@@ -232,6 +232,26 @@ def test_a_launch_killed_before_its_first_window_keeps_the_ledger_fine(started_l
     assert c[PRODUCTIVE] == pytest.approx(6.0) and ledger.ettr == pytest.approx(6.0 / 36.5)
 
 
+def test_a_relaunch_with_nothing_left_to_do_keeps_the_ledger_fine() -> None:
+    """A rank killed after the last step (in the script's final save or logging): the relaunch resumes
+    from the last step's checkpoint, prints its loop's start and no window, and succeeds. make bench
+    (2026-12-03) had the whole try's ETTR n/a ("no step records") for it."""
+    timeline, first, second = _failed_then_resumed()
+    done = [r for r in second if r.event == "rendezvous"] + [ProgressRecord(rank=0, step=29, time=26.0, event="start")]
+    a0 = account_launch(0, first, None)
+    a1 = account_launch(1, done, a0.max_step)
+    assert a0.fine and not a1.fine and a1.start_step == 29
+    ledger = try_ledger(timeline, {0: a0, 1: a1}, try_number=1, now=99.0, started_at=-0.5)
+    assert not ledger.coarse and ledger.ettr is not None and ledger.categories[TRAINING] == 0
+    assert sum(ledger.categories.values()) == pytest.approx(ledger.wall)
+    c = ledger.categories
+    # launch 1: rendezvous at 24, setup to its loop's start at 26, then nothing to compute: the tail
+    # to its end at 34 (and 34 -> 36, the try's end); no step of it is productive or lost.
+    assert c["setup"] == pytest.approx(1.0 + 2.0) and c["tail"] == pytest.approx(8.0 + 2.0)
+    assert c[PRODUCTIVE] == pytest.approx(5.5) and c[LOST_WORK] == pytest.approx(2.0)
+    assert ledger.lost_steps == 0 and ledger.outcome == "succeeded"
+
+
 def test_a_watch_that_first_looked_late_does_not_swallow_the_training() -> None:
     """A triggerer killed while deferred: the new one's watch saw the nodes running and their output
     for the first time at 31.8 s, after the ranks had trained from 12.5 s (chaos row: ETTR 0.000)."""

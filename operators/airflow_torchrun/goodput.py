@@ -376,13 +376,15 @@ def try_ledger(
                 categories[key] += span * share
             cursor.to(TAIL if succeeded else LOST_WORK, limit, limit)
             lost_steps += account.lost_steps
-        elif stop is not None and not succeeded and helped:
-            # A failed launch with no window of steps (killed in its setup, or before its first window):
+        elif stop is not None and helped:
+            # A launch with no window of steps. Failed (killed in its setup, or before its first window):
             # setup until its loop started, and whatever its loop computed was never reported: lost.
+            # Succeeded: it had no step left to do (resumed from the last step's checkpoint; a step
+            # done would have been printed before the exit), so after its loop's start, the tail.
             cursor.to(RENDEZVOUS, account.rendezvous_at if account is not None else None, limit)
             loop = account.stepping_from if account is not None else None
             cursor.to(SETUP, limit if loop is None else loop, limit)
-            cursor.to(LOST_WORK, limit, limit)
+            cursor.to(TAIL if succeeded else LOST_WORK, limit, limit)
         else:
             coarse = True
             cursor.to(RENDEZVOUS, account.rendezvous_at if account is not None else None, limit)
