@@ -248,3 +248,32 @@ def test_the_readme_states_the_writers_thresholds_as_the_code_has_them() -> None
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert f"a file of {streams.DIRECT_BYTES >> 20} MiB or more written past the page cache (`O_DIRECT`" in text
     assert f"parts go up {streams.S3_CONCURRENCY} at a time" in text
+
+
+@pytest.mark.slow
+def test_a_forked_child_writes_with_helpers_of_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A fork (a DataLoader worker, multiprocessing's default start method) has none of the parent's
+    helper threads: a write there handed work to threads that do not exist and waited for ever."""
+    import signal
+    import time
+
+    _direct_file(tmp_path, 4096, [b"parent" * 1000])  # the parent's helpers exist now
+    child_dir = tmp_path / "child"
+    child_dir.mkdir()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            _, written = _direct_file(child_dir, 4096, [b"child" * 5000])
+            os._exit(0 if written == b"child" * 5000 else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's write hung: it waited on the parent's helper threads")

@@ -110,6 +110,16 @@ _HELPERS: dict[str, _Helper] = {}
 _HELPER_LOCK = threading.Lock()
 
 
+def _forget_helpers() -> None:
+    """In a forked child: the parent's helper threads are not there (and the lock may be held)."""
+    global _HELPER_LOCK
+    _HELPER_LOCK = threading.Lock()
+    _HELPERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
 def _helper(role: str = "checksum") -> _Helper:
     """The helper thread for ``role``: ``checksum`` (CRCs, and a DiskWriter's writeback starts) or
     ``disk`` (a DirectWriter's writes), so that a checksum and a write can run at the same time."""
