@@ -96,6 +96,18 @@ TINY_DDP = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_progress_window_left() -> Iterator[None]:
+    """A test that reports steps in this process (RunLogger, ProgressLogger) leaves the process's
+    progress recorder behind, and its atexit hook printed the window at pytest's exit: forget it."""
+    yield
+    progress = sys.modules.get("airflow_torchrun.worker.progress")
+    left = getattr(progress, "_RECORDER", None)
+    if left is not None:
+        atexit.unregister(left.flush)
+        progress._RECORDER = None  # type: ignore[union-attr]
+
+
 @pytest.fixture(scope="session")
 def tiny_script() -> Path:
     path = _SESSION_DIR / "scripts" / "tiny_ddp.py"
