@@ -28,6 +28,7 @@ Memory: the disk writer holds nothing; the S3 writer at most ``S3_CONCURRENCY + 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -129,14 +130,30 @@ def _helper(role: str = "checksum") -> _Helper:
         return _HELPERS[role]
 
 
-class DiskWriter:
+class _Writer:
+    """What every writer here keeps: the CRC-32 and the size of the bytes written so far."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+        self.size = 0
+
+    def flush(self) -> None:
+        """Nothing to push early (torch.save calls it before the writer is closed): each writer
+        hands bytes on in the units it must (records, aligned buffers, S3 parts), and :meth:`close`
+        sends the last of them and makes the whole durable."""
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+class DiskWriter(_Writer):
     """A write-only file object over ``fd`` for ``torch.save``: CRC-32 and size kept as bytes pass,
     the disk's writeback started as they go. :meth:`close` makes the file durable (one fsync)."""
 
     def __init__(self, fd: int) -> None:
+        super().__init__()
         self.fd = fd
-        self.crc = 0
-        self.size = 0
         self._written_back = 0
         self._writeback: Future[Any] | None = None
 
@@ -165,21 +182,14 @@ class DiskWriter:
         while view.nbytes:
             view = view[os.write(self.fd, view) :]
 
-    def flush(self) -> None:
-        pass  # nothing is buffered here
-
     def close(self) -> None:
         """Durable: every byte on the disk (the rename and its directory are the caller's)."""
         if self._writeback is not None:
             self._writeback.result()
         os.fsync(self.fd)
 
-    @property
-    def checksum(self) -> str:
-        return checksum_text(self.crc)
 
-
-class DirectWriter:
+class DirectWriter(_Writer):
     """A write-only file object over ``fd`` for ``torch.save`` that bypasses the page cache.
 
     Each record is copied into one of ``buffers`` aligned buffers; a full buffer is checksummed by one
@@ -194,9 +204,8 @@ class DirectWriter:
     def __init__(self, fd: int, *, buffer_bytes: int = DIRECT_BUFFER_BYTES, buffers: int = DIRECT_BUFFERS) -> None:
         if buffer_bytes % DIRECT_ALIGN:
             raise ValueError(f"buffer_bytes must be a multiple of {DIRECT_ALIGN}, got {buffer_bytes}")
+        super().__init__()
         self.fd = fd
-        self.crc = 0
-        self.size = 0
         self._flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, self._flags | os.O_DIRECT)
@@ -208,7 +217,6 @@ class DirectWriter:
         self._current = 0
         self._fill = 0
         self._offset = 0  # of the current buffer in the file
-        self._lock = threading.Lock()  # the switch to buffered writes, if the file system refuses
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -256,20 +264,14 @@ class DirectWriter:
                 except OSError as exc:
                     if exc.errno != errno.EINVAL or not self.direct:
                         raise
-                    self._buffered()  # accepted at the switch, refused at the write
+                    # Accepted at the switch, refused at the write: buffered from here on (every write
+                    # runs on the one "disk" helper thread, so nothing else writes meanwhile).
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags & ~os.O_DIRECT)
+                    self.direct = False
                     continue
                 view, offset = view[written:], offset + written
         finally:
             view.release()
-
-    def _buffered(self) -> None:
-        with self._lock:
-            if self.direct:
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, self._flags & ~os.O_DIRECT)
-                self.direct = False
-
-    def flush(self) -> None:
-        pass  # buffers go out as they fill; the last one at close
 
     def close(self) -> None:
         """Durable: every byte on the disk, the file cut to its size (the rename is the caller's)."""
@@ -290,20 +292,14 @@ class DirectWriter:
         """Wait for the writes in flight and free the buffers (also after an error)."""
         for waiting in self._pending:
             for future in waiting or ():
-                try:
+                with contextlib.suppress(Exception):  # the save failed already; its error is what is raised
                     future.result()
-                except Exception:  # the save failed already; its error is what is raised
-                    pass
         self._pending = [None] * len(self._pending)
         for buffer in self._buffers:
             buffer.close()
 
-    @property
-    def checksum(self) -> str:
-        return checksum_text(self.crc)
 
-
-class S3PartWriter:
+class S3PartWriter(_Writer):
     """A write-only file object for ``torch.save`` that uploads ``path`` in parts while it is written.
 
     Parts of :data:`S3_PART_BYTES` go out on the filesystem's event loop as they fill, at most
@@ -322,9 +318,8 @@ class S3PartWriter:
     ) -> None:
         self.fs, self.path = fs, path
         self.bucket, self.key, _ = fs.split_path(path)
+        super().__init__()
         self.part_bytes, self.concurrency = part_bytes, max(1, concurrency)
-        self.crc = 0
-        self.size = 0
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[tuple[int, Future[Any]]] = []
@@ -342,9 +337,6 @@ class S3PartWriter:
                 part, self._buffer = self._buffer, bytearray()  # handed over whole: no copy
                 self._send(part)
         return count
-
-    def flush(self) -> None:
-        pass  # parts go out as they fill; the last one at close
 
     def _call(self, method: str, **kwargs: Any) -> Future[Any]:
         coro = self.fs._call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
@@ -379,10 +371,6 @@ class S3PartWriter:
                 self._call("abort_multipart_upload", UploadId=self._upload_id).result()
             except Exception:  # the save failed already; a lifecycle rule may still sweep the parts
                 pass
-
-    @property
-    def checksum(self) -> str:
-        return checksum_text(self.crc)
 
 
 def read_ranges(size: int, concurrency: int = S3_CONCURRENCY) -> list[tuple[int, int]]:
