@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from rows import Samples, row, write_json
@@ -314,21 +315,24 @@ def bench_stop(root: Path, sizes_mb: list[int], rule: RepeatRule) -> list[StopRo
 
     written: list[float] = []
 
-    def ours(size: int) -> float:
+    def child(code: str, target: str, size: int, expected: int, **env: str) -> dict[str, Any]:
+        """Run ``code`` in a fresh process (after the disk settled); its last line of JSON."""
         _settle()
-        uri = f"file://{root}/stop-{uuid.uuid4().hex[:8]}"
-        env = {**os.environ, "TRAIN_CHECKPOINT_URI": uri, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(
-            [sys.executable, "-c", STOP_CHILD, uri, str(size)],
-            env=env,
+            [sys.executable, "-c", code, target, str(size)],
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
             capture_output=True,
             text=True,
             timeout=600,
             check=False,
         )
-        if proc.returncode != STOPPED_TO_SAVE_EXIT_CODE:
-            raise RuntimeError(f"the stop child exited {proc.returncode}: {proc.stderr[-2000:]}")
-        signalled = json.loads(proc.stdout.strip().splitlines()[-1])["signalled"]
+        if proc.returncode != expected:
+            raise RuntimeError(f"the child exited {proc.returncode} (expected {expected}): {proc.stderr[-2000:]}")
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    def ours(size: int) -> float:
+        uri = f"file://{root}/stop-{uuid.uuid4().hex[:8]}"
+        signalled = child(STOP_CHILD, uri, size, STOPPED_TO_SAVE_EXIT_CODE, TRAIN_CHECKPOINT_URI=uri)["signalled"]
         store = CheckpointStore(uri)
         marker = store.read_marker(1)
         shutil.rmtree(store.location.path, ignore_errors=True)
@@ -336,19 +340,10 @@ def bench_stop(root: Path, sizes_mb: list[int], rule: RepeatRule) -> list[StopRo
         return float(marker["committed_at"]) - signalled
 
     def raw(size: int) -> float:
-        _settle()
         path = root / f"raw-{uuid.uuid4().hex[:8]}.bin"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-c", RAW_CHILD, str(path), str(size)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        )
+        seconds = child(RAW_CHILD, str(path), size, 0)["seconds"]
         path.unlink()
-        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+        return float(seconds)
 
     rows = []
     for size in sizes_mb:
@@ -616,7 +611,7 @@ def main() -> None:
             cap = max(args.repeat, args.max_pairs or STOP_RULE.cap)
             stop_rows = bench_stop(workdir, sizes, dataclasses.replace(STOP_RULE, minimum=args.repeat, cap=cap))
             print()
-            print(f"Save on SIGTERM (save_if_stopping), file://, one process, median of {args.repeat}")
+            print("Save on SIGTERM (save_if_stopping), file://, one process, medians of the pairs")
             print(
                 table(
                     ["MB", "signal -> committed s", "raw write s"],

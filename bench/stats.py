@@ -67,7 +67,7 @@ class RepeatRule:
     half_width: float = 0.1
     cap: int = 12
     budget_s: float = 600.0
-    unit: str = "s"  # of the differences, for the note ("" for a ratio)
+    unit: str = "s"  # of the differences, for the note (e.g. "on the log scale" for ratios; "": none)
 
     def more(self, differences: Sequence[float], spent_s: float) -> bool:
         n = len(differences)
