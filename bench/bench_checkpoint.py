@@ -472,6 +472,8 @@ def fraction_row(measure: str, r: Row | StopRow) -> dict[str, object]:
 def report_rows(
     io_rows: list[Row], train_rows: list[TrainRow], stop_rows: list[StopRow] | None = None
 ) -> list[dict[str, object]]:
+    from airflow_torchrun.worker.checkpoint.streams import DIRECT_BYTES
+
     def rates(r: Row, times: list[float], median_s: float) -> Samples | float:
         return Samples([r.size_mb / t for t in times]) if times else r.size_mb / median_s
 
@@ -502,7 +504,8 @@ def report_rows(
         row(
             f"save on SIGTERM, file://, {r.requested_mb} MB state ({r.size_mb:.0f} MB written): signal to committed",
             Samples(r.ours_all),
-            "raw write of the same bytes (fsync; O_DIRECT from 256 MiB, as dd oflag=direct), a process like ours",
+            f"raw write of the same bytes (fsync; O_DIRECT from {DIRECT_BYTES >> 20} MiB, as dd oflag=direct), "
+            "a process like ours",
             Samples(r.raw_all),
             "s",
         )
