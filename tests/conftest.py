@@ -39,7 +39,7 @@ from tests.example_trainer import digest, train_task
 from tests.mlflow_server import MlflowServer
 
 # One moto server per session (each test makes its own bucket): bound here, for every module.
-from tests.s3_fixtures import hung_port, moto_s3, restartable_s3, s3_env  # noqa: F401 - fixtures
+from tests.s3_fixtures import hung_server, moto_s3, restartable_s3, s3_env  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="airflow-torchrun-tests-"))

@@ -4,7 +4,7 @@ Bind the fixtures in a test module with ``moto_s3 = s3_fixtures.moto_s3`` (and `
 ``restartable_s3``). For outages: :class:`RestartableS3` stops and restarts a server on the same
 port (moto keeps its buckets in this process, like a real store keeps its data), and
 :func:`s3_error_server` answers every request with one S3 error (a 503 ``SlowDown``, say);
-``hung_port`` accepts connections and never answers.
+``hung_server`` accepts connections, counts them and never answers.
 """
 
 from __future__ import annotations
@@ -226,13 +226,39 @@ def s3_error_server(
     return http_answering(status, body)
 
 
+@dataclass
+class HungServer:
+    """A localhost port that accepts connections and never answers (a hung server); ``connections``
+    counts what it accepted."""
+
+    port: int
+    connections: int = 0
+
+
 @pytest.fixture
-def hung_port() -> Iterator[int]:
-    """A localhost port that accepts connections and never answers (a hung server)."""
+def hung_server() -> Iterator[HungServer]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
+    server = HungServer(int(sock.getsockname()[1]))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            held.append(conn)  # open and silent until the test ends
+            server.connections += 1
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
     try:
-        yield int(sock.getsockname()[1])
+        yield server
     finally:
+        sock.shutdown(socket.SHUT_RDWR)
         sock.close()
+        thread.join(timeout=5)
+        for conn in held:
+            conn.close()

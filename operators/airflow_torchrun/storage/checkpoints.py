@@ -419,7 +419,9 @@ class CheckpointStore:
                 "config_kwargs": {
                     "connect_timeout": CHECK_CONNECT_TIMEOUT,
                     "read_timeout": CHECK_READ_TIMEOUT,
-                    "retries": {"max_attempts": 1, "mode": "standard"},
+                    # total_max_attempts counts the first try; botocore's max_attempts counts
+                    # retries (max_attempts=1 made two reads, 2 x CHECK_READ_TIMEOUT on a hung server).
+                    "retries": {"total_max_attempts": 1, "mode": "standard"},
                 },
             },
         )
