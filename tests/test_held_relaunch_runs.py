@@ -48,6 +48,11 @@ SLOW_SAVE_SCRIPT = textwrap.dedent(
     print(f"rank {rank} resuming from {resume!r}", flush=True)
     mark = Path(os.environ["MARK"])
     first = not mark.exists()
+    if first and rank == 0:
+        # From the start, not once its all_reduce fails: under load the agent's SIGTERM can come
+        # first, and a rank 0 that died of it made no slow save (the relaunch's gate then opened
+        # at once, before the test could kill the task while it was held: CI 2026-12-04).
+        signal.signal(signal.SIGTERM, lambda *_: None)
     dist.barrier()
     try:
         for step in range(1, 20):
@@ -59,7 +64,6 @@ SLOW_SAVE_SCRIPT = textwrap.dedent(
     except Exception:
         if rank != 0:
             raise
-        signal.signal(signal.SIGTERM, lambda *_: None)
         groups = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"], "groups")
         held = groups / (os.environ["AIRFLOW_TORCHRUN_GROUP_ID"] + "-r1")
         deadline = time.monotonic() + 25
