@@ -13,6 +13,9 @@
    process group joined, first and last step) from its events file, the same for bare torchrun.
 3. Time from one rank's death (SIGKILL) to every other process of the group gone. Goal: median
    < 1 s, max < 1.5 s.
+4. One node's agent alone (1 rank that SIGKILLs itself once torch is imported): its death -> the
+   agent's exit, the local backend's agent (``airflow_torchrun.backends.local.agent``) against
+   ``python -m torch.distributed.run``, alternated, the same arguments.
 
 Run: ``.venv/bin/python bench/bench_group.py [--repeats 3] [--max-pairs 12] [--steps 200] [--json rows.json]``.
 """
@@ -314,6 +317,32 @@ def death_to_gone(i: int) -> float:
     return gone_at[0] - float(death_file.read_text())
 
 
+AGENT_WORKER = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch  # what a rank holds when it dies
+    with open(os.environ["DEATH"], "w") as fp:
+        fp.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def agent_exit(module: str, i: int) -> float:
+    """A worker's death -> its agent's exit, for one node whose agent runs ``python -m module``."""
+    run = WORK / f"agent-exit-{i}-{module.rsplit('.', 1)[-1]}"
+    run.mkdir(parents=True)
+    (run / "worker.py").write_text(AGENT_WORKER)
+    argv = [sys.executable, "-m", module, "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=static"]
+    argv += [f"--master-port={free_port()}", "--max-restarts=0", "--monitor-interval=0.1"]
+    argv += ["--tee=3", f"--log-dir={run / 'logs'}", str(run / "worker.py")]
+    env = {**os.environ, "DEATH": str(run / "death"), "OMP_NUM_THREADS": "1"}
+    with open(run / "agent.log", "wb") as log:
+        subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=False)
+    exited = time.time()
+    return exited - float((run / "death").read_text())
+
+
 LAYOUTS: tuple[Layout, ...] = ((2, 1), (2, 2), (4, 1))
 PHASE_LAYOUTS: tuple[Layout, ...] = ((2, 1), (2, 2))
 
@@ -373,6 +402,13 @@ def main() -> None:
     for i in range(args.repeats):
         kill.append(death_to_gone(i))
         progress("group", f"repeat {i + 1}/{args.repeats} rank death -> all gone", kill[-1])
+    from airflow_torchrun.backends.local.backend import AGENT_MODULE
+
+    agents: dict[str, list[float]] = {AGENT_MODULE: [], "torch.distributed.run": []}
+    for i in range(max(args.repeats, 5)):
+        for module in list(agents) if i % 2 == 0 else list(agents)[::-1]:
+            agents[module].append(agent_exit(module, i))
+        progress("group", f"pair {i + 1} worker death -> agent exited (ours, torchrun)", tuple(agents.values()))
 
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -380,11 +416,12 @@ def main() -> None:
         "bare": {name(k): vars(v) for k, v in bare.items()},
         "ours": {name(k): vars(v) for k, v in ours.items()},
         "kill": kill,
+        "agent_exit": agents,
         "steps": args.steps,
     }
     (out / "bench_group.json").write_text(json.dumps(raw, indent=2))
     if args.json:
-        write_json(args.json, report_rows(bare, ours, kill, stopped))
+        write_json(args.json, report_rows(bare, ours, kill, stopped, list(agents.values())))
         Path(args.json).with_suffix(".phases.json").write_text(json.dumps(phase_table(bare, ours), indent=2))
 
 
@@ -415,7 +452,11 @@ def phase_table(bare: dict[Layout, Side], ours: dict[Layout, Side]) -> list[dict
 
 
 def report_rows(
-    bare: dict[Layout, Side], ours: dict[Layout, Side], kill: list[float], stopped: dict[Layout, str]
+    bare: dict[Layout, Side],
+    ours: dict[Layout, Side],
+    kill: list[float],
+    stopped: dict[Layout, str],
+    agents: list[list[float]],
 ) -> list[dict[str, object]]:
     anchor = "bare torchrun, same job and settings"
     first = (2, 1)
@@ -451,6 +492,16 @@ def report_rows(
     rows.append(row("rank SIGKILLed -> every group process gone (median)", k, "goal (median)", 1.0, "s"))
     rows.append(
         row("rank SIGKILLed -> every group process gone (max)", max(kill), "goal (max)", 1.5, "s", repeats=len(kill))
+    )
+    local, torchrun = agents
+    rows.append(
+        row(
+            "worker SIGKILLed -> its node's agent exited (local backend's agent)",
+            Samples(local),
+            "python -m torch.distributed.run, same arguments",
+            Samples(torchrun),
+            "s",
+        )
     )
     return rows
 

@@ -30,6 +30,8 @@ from airflow_torchrun.spec import RESERVED_ENV, GroupSpec
 
 # Torchrun's default; used where every node has its own network namespace (Kubernetes).
 DEFAULT_MASTER_PORT = 29500
+# What each node runs by default as its agent (``python -m``).
+TORCHRUN_MODULE = "torch.distributed.run"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ def plan(
     master_addr: str,
     master_port: int,
     python: str = "python",
+    agent_module: str = TORCHRUN_MODULE,
     log_dir: str | None = None,
     cpus_per_node: float | None = None,
     extra_env: Mapping[str, str] | None = None,
@@ -84,7 +87,9 @@ def plan(
 ) -> GroupPlan:
     """Render every node's torchrun command and environment. Pure: no I/O, no clock.
 
-    ``log_dir`` may hold ``{node_rank}``. ``extra_env`` carries what the operator and the platform
+    ``agent_module``: what ``python -m`` runs as each node's agent, torchrun's own module or one that
+    runs it (the local backend's :mod:`airflow_torchrun.backends.local.agent`). ``log_dir`` may
+    hold ``{node_rank}``. ``extra_env`` carries what the operator and the platform
     add: the rank contract (checkpoint, shard and MLflow variables), storage access, a Kubernetes
     runtime's ``env``. The user's ``spec.env`` overrides the wiring's defaults (``OMP_NUM_THREADS``,
     ``PYTHONUNBUFFERED``) and ``extra_env``, but never a contract or a reserved variable: those
@@ -103,7 +108,7 @@ def plan(
         argv = [
             python,
             "-m",
-            "torch.distributed.run",
+            agent_module,
             f"--nnodes={spec.num_nodes}",
             f"--nproc-per-node={spec.nproc_per_node}",
             f"--node-rank={node_rank}",

@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from airflow_torchrun.backends.base import BackendOptions
 
 LOOPBACK = "127.0.0.1"
+# Each node's agent: torchrun, ended without the interpreter's teardown (the module's docstring).
+AGENT_MODULE = "airflow_torchrun.backends.local.agent"
 # The ranks' AWS profile (source keys of an assume-role connection): staged under the state dir by
 # rank_storage_env, moved into the group's directory at launch, removed at teardown; a staged one a
 # crash left behind is removed after STAGED_MAX_AGE_S, a group's by the next try's start.
@@ -213,6 +215,7 @@ class LocalBackend(Backend[LocalHandle]):
             master_addr=LOOPBACK,
             master_port=spec.rdzv_port or free_port(),
             python=sys.executable,
+            agent_module=AGENT_MODULE,
             log_dir=str(group_dir / "node-{node_rank}" / "torchrun"),
             # every node shares this machine's cores
             cpus_per_node=(cpus or 1) / spec.num_nodes,

@@ -1,0 +1,58 @@
+"""One node's torchrun agent on the local backend: ``python -m airflow_torchrun.backends.local.agent
+[TORCHRUN ARGS...]``.
+
+It is torchrun: ``torch.distributed.run.main`` with the same arguments, its ``@record`` error file,
+its signal handling and its exit status (0; 1 with the traceback on stderr for an exception, a
+``ChildFailedError`` or a ``SignalException`` alike; a ``SystemExit``'s own code). What differs is
+the end: once torchrun has stopped its workers and returned, the atexit handlers run (logging's
+flush among them), stdout and stderr are flushed, and the process exits at once, without the
+interpreter's teardown of torch's modules. That teardown took 0.7 to 1.3 s after every agent's
+last act (`bench/bench_group.py`'s rows), and a failed group's teardown, an in-try restart and
+"rank death -> every process gone" all wait for the agents to be gone. The agent holds nothing
+that teardown would save: its tail threads are stopped and its files closed by torchrun itself.
+
+Only the local backend runs it (its Python is this package's); a Kubernetes pod runs
+``torch.distributed.run`` as the image has it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun's ``main`` on ``argv``; its exit status, as Python would have made it."""
+    from torch.distributed import run
+
+    sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
+    try:
+        run.main(argv)  # None: sys.argv[1:], as torchrun reads them
+    except SystemExit as exc:  # argparse's usage error, or torchrun's own exit
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        raise  # Python ends the process by SIGINT: left to the interpreter
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # the traceback Python prints for an uncaught exception
+        return 1
+    return 0
+
+
+def _exit_now(code: int) -> None:
+    # atexit's handlers are what a normal exit runs before the teardown (logging.shutdown flushes
+    # the agent's log handlers); _run_exitfuncs is how a program runs them itself.
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to keep
+            pass
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit_now(main())
