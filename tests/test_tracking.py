@@ -25,6 +25,7 @@ from airflow_torchrun.tracking import (
     rank_env,
     resolve_tracking_uri,
 )
+from tests.s3_fixtures import HungServer
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def _closed_port() -> int:
     return port
 
 
-def test_unreachable_tracking_server_fails_fast_with_a_clear_message(hung_port: int) -> None:
+def test_unreachable_tracking_server_fails_fast_with_a_clear_message(hung_server: HungServer) -> None:
     started = time.monotonic()
     with pytest.raises(
         TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"
@@ -116,7 +117,7 @@ def test_unreachable_tracking_server_fails_fast_with_a_clear_message(hung_port: 
     from airflow_torchrun.tracking import check_tracking_uri
 
     with pytest.raises(TrackingUnreachableError, match=r"timed out.*within 0\.5s") as info:
-        check_tracking_uri(f"http://127.0.0.1:{hung_port}", timeout=0.5)
+        check_tracking_uri(f"http://127.0.0.1:{hung_server.port}", timeout=0.5)
     assert info.value.transient
     # MLflow's own client would retry with backoff for minutes; generous bound, far from that.
     assert time.monotonic() - started < 30

@@ -31,7 +31,7 @@ from airflow_torchrun.tracking import (
 from airflow_torchrun.worker.tracking import RunLogger
 from tests.mlflow_server import MlflowServer
 from tests.mlflow_server import free_port as _free_port
-from tests.s3_fixtures import http_answering
+from tests.s3_fixtures import HungServer, http_answering
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +197,11 @@ def test_run_logger_buffer_is_bounded_and_drops_the_oldest(caplog: pytest.LogCap
     assert "did not take 10 buffered metric values (steps 15-24)" in text
 
 
-def test_a_hung_server_does_not_stall_training(hung_port: int) -> None:
+def test_a_hung_server_does_not_stall_training(hung_server: HungServer) -> None:
     """Afterwards: 40 steps took a few request timeouts at most, not one timeout per step."""
     tracker = RunLogger(
         run_id="0" * 32,
-        tracking_uri=f"http://127.0.0.1:{hung_port}",
+        tracking_uri=f"http://127.0.0.1:{hung_server.port}",
         rank=0,
         flush_every=2,
         request_timeout=1,
