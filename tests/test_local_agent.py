@@ -2,9 +2,11 @@
 interpreter's teardown.
 
 What must hold: for every way a node ends (its workers succeed, one fails, the agent is stopped by
-SIGTERM, a bad argument) the agent's exit status and the end of its output are torchrun's own; the
-atexit handlers ran and the output was flushed, and the teardown did not run. How much time that
-saves is a benchmark's question (``bench/bench_group.py``), not a test's.
+SIGTERM, a bad argument) the agent's exit status and the end of its output are torchrun's own; two
+nodes on the backend's static rendezvous (node 0's agent hosts the store the others need for their
+exit barrier) both end cleanly; the atexit handlers ran and the output was flushed, and the teardown
+did not run. How much time that saves is a benchmark's question (``bench/bench_group.py``), not a
+test's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -25,49 +28,58 @@ from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.wiring import TORCHRUN_MODULE
 
-pytestmark = pytest.mark.slow
-
 WORKER = textwrap.dedent(
     """
     import os, sys, time
+    from pathlib import Path
     how = os.environ["HOW"]
     print("worker up", flush=True)
+    Path(os.environ["UP"]).touch()
     if how == "fail":
         raise RuntimeError("the worker failed on purpose")
     if how == "hang":
-        time.sleep(120)
+        time.sleep(60)
     """
 )
 
 
-def _node(module: str, tmp_path: Path, how: str, *extra: str) -> subprocess.Popen[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        module,
-        "--nnodes=1",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0",
-        "--max-restarts=0",
-        "--monitor-interval=0.1",
-        *extra,
-    ]
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "HOW": how, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*argv, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def _end(proc: subprocess.Popen[str], how: str) -> tuple[int, str]:
-    if how == "hang":
-        deadline = time.monotonic() + 120
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the worker runs: now the agent is stopped as a teardown would
-            if "worker up" in line or time.monotonic() > deadline:
-                break
-        proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+def _node(
+    module: str, tmp_path: Path, how: str, *extra: str, nnodes: int = 1, node_rank: int = 0, port: int = 0
+) -> tuple[subprocess.Popen[str], Path]:
+    """One node's agent as the local backend starts it (static rendezvous, tee'd logs), and its folder."""
+    run = tmp_path / f"{module.rsplit('.', 1)[-1]}-{how}-{node_rank}"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "worker.py").write_text(WORKER)
+    argv = [sys.executable, "-m", module, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--node-rank={node_rank}"]
+    argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port or _free_port()}"]
+    argv += ["--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={run / 'logs'}", *extra]
+    env = {**os.environ, "HOW": how, "UP": str(run / "up"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [*argv, str(run / "worker.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, run
+
+
+def _end(node: tuple[subprocess.Popen[str], Path], how: str) -> tuple[int, str]:
+    proc, run = node
+    try:
+        if how == "hang":  # the worker runs: now the agent is stopped, as a teardown stops it
+            deadline = time.monotonic() + 120
+            while not (run / "up").exists():
+                assert time.monotonic() < deadline and proc.poll() is None, "the worker never came up"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed check: the agent does not outlive the test (its worker ends in 60 s)
+            proc.kill()
+            proc.communicate()
     return proc.returncode, out
 
 
@@ -77,6 +89,7 @@ def _last_line(output: str) -> str:
     return re.sub(r"\d+", "N", lines[-1]) if lines else ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "extra", "says"),
     [
@@ -98,6 +111,21 @@ def test_the_agent_ends_as_torchrun_does(tmp_path: Path, how: str, extra: tuple[
         assert ours[0] == 0 and "worker up" in ours[1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("round_", range(3))
+def test_two_static_nodes_pass_their_exit_barrier_though_node_0_leaves_at_once(tmp_path: Path, round_: int) -> None:
+    """Node 0's agent hosts the rendezvous store; it leaves as soon as its exit barrier passed.
+    Afterwards: both agents exited 0 and neither logged an error from the barrier or a traceback."""
+    port = _free_port()
+    nodes = [_node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=n, port=port) for n in (0, 1)]
+    ends = [_end(node, "succeed") for node in nodes]
+    for code, out in ends:
+        assert code == 0, out[-3000:]
+        assert "worker up" in out
+        assert "Error waiting on exit barrier" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
 def test_the_agent_runs_atexit_and_flushes_but_skips_the_teardown(tmp_path: Path) -> None:
     """The exit itself: an atexit handler ran, buffered output came out, an object left for the
     interpreter's teardown was never finalised (the teardown is what it skips), the status is kept."""

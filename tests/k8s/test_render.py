@@ -26,9 +26,10 @@ from airflow_torchrun.backends.kubernetes.render import (
     to_yaml,
 )
 from airflow_torchrun.backends.kubernetes.runtimes import BUILTIN_RUNTIMES, parse_runtime
-from airflow_torchrun.backends.local.backend import LocalBackend
+from airflow_torchrun.backends.local.backend import AGENT_MODULE, LocalBackend
 from airflow_torchrun.naming import MAX_GROUP_ID, GroupIdentity, label_value
 from airflow_torchrun.spec import GroupSpec
+from airflow_torchrun.wiring import TORCHRUN_MODULE
 
 GOLDEN = Path(__file__).parent / "golden"
 # The oldest version this backend supports (podFailurePolicy rules without onPodConditions), the
@@ -236,8 +237,10 @@ def test_the_command_is_the_local_backends_apart_from_where(tmp_path: Path) -> N
     local = LocalBackend(state_dir=tmp_path).plan(spec, identity, {})
     where = re.compile(r"^--(master-addr|master-port|log-dir)=")
     for k, lo in zip(k8s.nodes, local.nodes, strict=True):
-        assert [a for a in k.argv[1:] if not where.match(a)] == [a for a in lo.argv[1:] if not where.match(a)]
+        assert [a for a in k.argv[3:] if not where.match(a)] == [a for a in lo.argv[3:] if not where.match(a)]
         assert k.argv[0] == "python" and lo.argv[0] == sys.executable
+        # The agent: torchrun itself in a pod; on the local backend torchrun's main without the teardown.
+        assert k.argv[1:3] == ("-m", TORCHRUN_MODULE) and lo.argv[1:3] == ("-m", AGENT_MODULE)
 
 
 def test_torchrun_reads_the_node_rank_from_the_completion_index(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,15 @@
 
 It is torchrun: ``torch.distributed.run.main`` with the same arguments, its ``@record`` error file,
 its signal handling and its exit status (0; 1 with the traceback on stderr for an exception, a
-``ChildFailedError`` or a ``SignalException`` alike; a ``SystemExit``'s own code). What differs is
-the end: once torchrun has stopped its workers and returned, the atexit handlers run (logging's
-flush among them), stdout and stderr are flushed, and the process exits at once, without the
-interpreter's teardown of torch's modules. That teardown took 0.7 to 1.3 s after every agent's
-last act (`bench/bench_group.py`'s rows), and a failed group's teardown, an in-try restart and
-"rank death -> every process gone" all wait for the agents to be gone. The agent holds nothing
-that teardown would save: its tail threads are stopped and its files closed by torchrun itself.
+``ChildFailedError`` or a ``SignalException`` alike; a ``SystemExit``'s own code, 2 and "run.py:
+error: ..." for a usage error). What differs is the end: once torchrun has stopped its workers and
+returned, the atexit handlers run (logging's flush among them), Python's and C's output buffers are
+flushed, and the process exits at once, without the interpreter's teardown of torch's modules. That
+teardown took 0.7 to 1.9 s after every agent's last act on a 2-core machine (``bench/bench_group.py``
+measures it), and a failed group's teardown, an in-try restart and "rank death -> every process
+gone" all wait for the agents to be gone. By then torchrun itself has stopped its tail threads
+(their output written), closed its files and written its error file; node 0's rendezvous store is
+needed by no one once its exit barrier passed (every other agent has left its own wait).
 
 Only the local backend runs it (its Python is this package's); a Kubernetes pod runs
 ``torch.distributed.run`` as the image has it.
@@ -18,6 +20,7 @@ Only the local backend runs it (its Python is this package's); a Kubernetes pod 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 
@@ -51,6 +54,10 @@ def _exit_now(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken stream: nothing left to keep
             pass
+    try:  # what C and C++ code buffered in stdio (a normal exit flushes it too)
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 
