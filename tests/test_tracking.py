@@ -291,3 +291,49 @@ def test_a_rank_where_mlflow_is_not_installed_trains_on_without_logging(monkeypa
         logger.close()
     assert logger.enabled is False
     assert "mlflow is not installed" in caplog.text and "airflow-torchrun[mlflow]" in caplog.text
+
+
+def test_a_logged_model_names_its_requirements_without_mlflows_inference(tracking_uri: str, tmp_path: Path) -> None:
+    """``log_model`` without requirements: MLflow's defaults for the flavor, then the distribution of
+    each layer's package, pinned, then ``extra_pip_requirements``. No inference subprocess (under
+    ``make check``'s guard one would fail this test; MLflow's inference also listed pandas, scipy,
+    Lightning and transformers for a plain ``nn.Linear``), and the model loads back and computes
+    the same."""
+    from importlib import metadata
+
+    import mlflow.pytorch
+    import torch
+
+    transformers_activations = pytest.importorskip("transformers.activations")
+    from airflow_torchrun.worker.tracking import RunLogger
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), transformers_activations.GELUActivation())
+    run_id = ensure_run(_context(1))
+    uri = RunLogger(run_id=run_id, rank=0).log_model(model, extra_pip_requirements=["numpy"])
+    assert uri is not None
+
+    saved = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path)))
+    requirements = (saved / "requirements.txt").read_text().split()
+    expected = [
+        f"mlflow=={metadata.version('mlflow')}",
+        *mlflow.pytorch.get_default_pip_requirements(),
+        f"transformers=={metadata.version('transformers')}",
+        "numpy",
+    ]
+    assert requirements == expected
+    x = torch.randn(2, 4)
+    assert torch.equal(mlflow.pytorch.load_model(uri)(x), model(x))
+
+
+def test_model_requirements_add_nothing_for_torch_and_script_layers() -> None:
+    import mlflow.pytorch
+    import torch
+
+    from airflow_torchrun.worker.tracking import model_requirements
+
+    class Head(torch.nn.Module):  # defined here, in no installed distribution
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), Head())
+    assert model_requirements(model) == mlflow.pytorch.get_default_pip_requirements()
