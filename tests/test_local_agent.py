@@ -39,6 +39,15 @@ WORKER = textwrap.dedent(
         raise RuntimeError("the worker failed on purpose")
     if how == "hang":
         time.sleep(60)
+    if how == "slow-stop":  # a SIGTERM save: 1.5 s of work after the signal, then the worker is done
+        import signal
+        def save(*_):
+            time.sleep(1.5)
+            Path(os.environ["UP"] + ".saved").touch()
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, save)
+        Path(os.environ["UP"] + ".armed").touch()
+        time.sleep(60)
     """
 )
 
@@ -161,3 +170,29 @@ def test_the_local_backend_runs_its_agent(tmp_path: Path) -> None:
     spec = GroupSpec(script="train.py", num_nodes=2, nproc_per_node=1)
     plan = LocalBackend(state_dir=tmp_path).plan(spec, GroupIdentity("d", "t", "r"), {})
     assert [node.argv[1:3] for node in plan.nodes] == [("-m", AGENT_MODULE)] * 2
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_does_not_cut_the_agents_shutdown_short(tmp_path: Path) -> None:
+    """A teardown signals the agent twice (stop_group reaches every process of the node, and the node's
+    supervisor, signalled too, stops its node again). torchrun raises in its signal handler, so the
+    second SIGTERM broke off its wait for the worker. Afterwards: the agent left only once its worker
+    had finished its save, and said so once (no exception raised while handling the first)."""
+    proc, run = _node(AGENT_MODULE, tmp_path, "slow-stop")
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(f"{run / 'up'}.armed").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the worker never came up"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        saved_at_exit = Path(f"{run / 'up'}.saved").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert saved_at_exit, out[-3000:]
+    assert "During handling of the above exception" not in out, out[-3000:]
+    assert "SignalException" in out and proc.returncode == 1, out[-3000:]

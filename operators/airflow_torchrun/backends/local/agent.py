@@ -13,6 +13,12 @@ gone" all wait for the agents to be gone. By then torchrun itself has stopped it
 (their output written), closed its files and written its error file; node 0's rendezvous store is
 needed by no one once its exit barrier passed (every other agent has left its own wait).
 
+One more difference: a termination signal after the first is ignored. torchrun's handler raises
+where the agent happens to be, so a second SIGTERM (a teardown reaches the agent directly and through
+its node's supervisor) broke off its wait for the workers it had just signalled: it left them
+running, unwaited, with a second traceback. The first signal still stops the agent as torchrun's
+does; the teardown's SIGKILL after its grace still ends whatever does not stop.
+
 Only the local backend runs it (its Python is this package's); a Kubernetes pod runs
 ``torch.distributed.run`` as the image has it.
 """
@@ -22,13 +28,16 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import signal
 import sys
+from types import FrameType
 
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun's ``main`` on ``argv``; its exit status, as Python would have made it."""
     from torch.distributed import run
 
+    _stop_once()
     sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
     try:
         run.main(argv)  # None: sys.argv[1:], as torchrun reads them
@@ -43,6 +52,24 @@ def main(argv: list[str] | None = None) -> int:
         sys.excepthook(*sys.exc_info())  # the traceback Python prints for an uncaught exception
         return 1
     return 0
+
+
+def _stop_once() -> None:
+    """torchrun's termination handler, made to ignore every handled signal once the first came."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler
+
+    def first_only(signum: int, frame: FrameType | None) -> None:
+        names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+        for name in names.split(","):
+            sig = getattr(signal, name.strip(), None)
+            if isinstance(sig, signal.Signals):
+                signal.signal(sig, signal.SIG_IGN)
+        raise_signal(signum, frame)
+
+    # torchrun installs it when its workers start, by this module-level name.
+    api._terminate_process_handler = first_only
 
 
 def _exit_now(code: int) -> None:
