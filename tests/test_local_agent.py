@@ -59,13 +59,22 @@ def _free_port() -> int:
 
 
 def _node(
-    module: str, tmp_path: Path, how: str, *extra: str, nnodes: int = 1, node_rank: int = 0, port: int = 0
+    module: str,
+    tmp_path: Path,
+    how: str,
+    *extra: str,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    port: int = 0,
+    program: Path | None = None,
 ) -> tuple[subprocess.Popen[str], Path]:
-    """One node's agent as the local backend starts it (static rendezvous, tee'd logs), and its folder."""
+    """One node's agent as the local backend starts it (static rendezvous, tee'd logs), and its folder;
+    ``program`` runs instead of ``-m module``."""
     run = tmp_path / f"{module.rsplit('.', 1)[-1]}-{how}-{node_rank}"
     run.mkdir(parents=True, exist_ok=True)
     (run / "worker.py").write_text(WORKER)
-    argv = [sys.executable, "-m", module, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--node-rank={node_rank}"]
+    launcher = [str(program)] if program else ["-m", module]
+    argv = [sys.executable, *launcher, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--node-rank={node_rank}"]
     argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port or _free_port()}"]
     argv += ["--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={run / 'logs'}", *extra]
     env = {**os.environ, "HOW": how, "UP": str(run / "up"), "OMP_NUM_THREADS": "1"}
@@ -132,6 +141,38 @@ def test_two_static_nodes_pass_their_exit_barrier_though_node_0_leaves_at_once(t
         assert code == 0, out[-3000:]
         assert "worker up" in out
         assert "Error waiting on exit barrier" not in out and "Traceback" not in out, out[-3000:]
+
+
+# Node 1's agent as the backend runs it, with a pause between its check-in at the exit barrier and its
+# wait there: the window in which node 0 passes the barrier, and (before) left and took the store along.
+LATE_WAITER = textwrap.dedent(
+    """
+    import sys, time
+    from torch.distributed.elastic.utils import store
+    from airflow_torchrun.backends.local import agent
+    check_in = store._barrier_nonblocking
+    def late(*args, **kwargs):
+        key = check_in(*args, **kwargs)
+        time.sleep(1.0)
+        return key
+    store._barrier_nonblocking = late
+    agent._exit_now(agent.main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_node_0_waits_for_an_agent_that_is_late_to_its_exit_barrier_wait(tmp_path: Path) -> None:
+    """Node 1 checks in at the exit barrier, then pauses a second before its wait on node 0's store.
+    Afterwards: both agents exited 0, node 1 logged no barrier error, node 0 did not give up waiting for it."""
+    port = _free_port()
+    late = tmp_path / "late_waiter.py"
+    late.write_text(LATE_WAITER)
+    node0 = _node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=0, port=port)
+    node1 = _node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=1, port=port, program=late)
+    (code0, out0), (code1, out1) = _end(node0, "succeed"), _end(node1, "succeed")
+    assert code1 == 0 and "Error waiting on exit barrier" not in out1 and "Traceback" not in out1, out1[-3000:]
+    assert code0 == 0 and "did not leave their exit barrier" not in out0, out0[-3000:]
 
 
 @pytest.mark.slow

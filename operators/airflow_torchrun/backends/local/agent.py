@@ -10,8 +10,14 @@ flushed, and the process exits at once, without the interpreter's teardown of to
 teardown took 0.7 to 1.9 s after every agent's last act on a 2-core machine (``bench/bench_group.py``
 measures it), and a failed group's teardown, an in-try restart and "rank death -> every process
 gone" all wait for the agents to be gone. By then torchrun itself has stopped its tail threads
-(their output written), closed its files and written its error file; node 0's rendezvous store is
-needed by no one once its exit barrier passed (every other agent has left its own wait).
+(their output written), closed its files and written its error file.
+
+Node 0's agent hosts the static rendezvous's store, and every agent's exit barrier ends with a wait
+on it: when node 0 passes the barrier it cannot know that the others have received their answer, and
+an agent still on its way to its wait found the store gone ("Error waiting on exit barrier", a
+traceback; torchrun has the same race, narrowed only by the second its own teardown takes). So each
+other agent says so in the store once its wait is over, and node 0 leaves when all have, or after
+``RELEASE_WAIT`` seconds (an agent killed in between never says it).
 
 One more difference: a termination signal after the first is ignored. torchrun's handler raises
 where the agent happens to be, so a second SIGTERM (a teardown reaches the agent directly and through
@@ -27,10 +33,20 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
 import signal
 import sys
+import time
 from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Node 0's longest wait for the other agents to leave their exit barrier; each does within
+# milliseconds of the barrier passing, unless it was killed then.
+RELEASE_WAIT = 10.0
+_LEFT_KEY = "airflow_torchrun/left_exit_barrier"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
 
     _stop_once()
+    _hold_the_store_for_the_exit_barrier()
     sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
     try:
         run.main(argv)  # None: sys.argv[1:], as torchrun reads them
@@ -70,6 +87,39 @@ def _stop_once() -> None:
 
     # torchrun installs it when its workers start, by this module-level name.
     api._terminate_process_handler = first_only
+
+
+def _hold_the_store_for_the_exit_barrier() -> None:
+    """torchrun's exit barrier, followed on a static rendezvous by node 0 waiting for the others to leave it."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    exit_barrier = SimpleElasticAgent._exit_barrier
+
+    def then_release(agent: Any) -> None:
+        exit_barrier(agent)  # only on success; it logs and returns when the barrier times out
+        group = agent._worker_group
+        if not isinstance(group.spec.rdzv_handler, StaticTCPRendezvous) or group.group_world_size < 2:
+            return  # another rendezvous's store lives elsewhere: as torchrun
+        if group.group_rank != 0:  # node 0 hosts the store (StaticTCPRendezvous: rank 0 is master)
+            try:
+                agent._store.add(_LEFT_KEY, 1)
+            except DistError as exc:  # node 0 left already (its wait ran out): nothing left to tell it
+                logger.debug("node 0 left first: %s", exc)
+            return
+        others = group.group_world_size - 1
+        deadline = time.monotonic() + RELEASE_WAIT
+        while (left := agent._store.add(_LEFT_KEY, 0)) < others:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "%d of %d agents did not leave their exit barrier in %.0f s", others - left, others, RELEASE_WAIT
+                )
+                return
+            time.sleep(0.01)
+
+    # torchrun's agent calls it by this name once its workers succeeded.
+    SimpleElasticAgent._exit_barrier = then_release
 
 
 def _exit_now(code: int) -> None:
