@@ -78,10 +78,8 @@ def _stop_once() -> None:
     raise_signal = api._terminate_process_handler
 
     def first_only(signum: int, frame: FrameType | None) -> None:
-        names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-        for name in names.split(","):
-            sig = getattr(signal, name.strip(), None)
-            if isinstance(sig, signal.Signals):
+        for sig in signal.valid_signals():  # every signal torchrun gave this handler, whichever it chose
+            if signal.getsignal(sig) is first_only:
                 signal.signal(sig, signal.SIG_IGN)
         raise_signal(signum, frame)
 
