@@ -117,7 +117,7 @@ def _hold_the_store_for_the_exit_barrier() -> None:
             time.sleep(0.01)
 
     # torchrun's agent calls it by this name once its workers succeeded.
-    SimpleElasticAgent._exit_barrier = then_release
+    SimpleElasticAgent._exit_barrier = then_release  # type: ignore[method-assign]
 
 
 def _exit_now(code: int) -> None:
