@@ -36,7 +36,10 @@ SERVICE_SUBNET = "198.19.0.0/16"
 GATEWAY = "198.18.0.1"
 CLUSTER_DOMAIN = "cluster.local"
 NODE_COUNT = 2
-API_PORT = int(os.environ.get("AIRFLOW_TORCHRUN_CLUSTER_API_PORT", "36443"))
+# The control plane's ports on 127.0.0.1: a block below Linux's ephemeral range (32768-60999 by
+# default), where no outgoing connection can hold one when the cluster binds it. At 36443 an earlier
+# test's client socket held etcd's port once (CI, "bind: address already in use").
+API_PORT = int(os.environ.get("AIRFLOW_TORCHRUN_CLUSTER_API_PORT", "26443"))
 ETCD_PORT = API_PORT + 1
 ETCD_PEER_PORT = API_PORT + 2
 KUEUE_WEBHOOK_PORT = API_PORT + 3
@@ -45,6 +48,27 @@ KUEUE_HEALTH_PORT = API_PORT + 5
 S3_PORT = API_PORT + 6
 MLFLOW_PORT = API_PORT + 7
 KUBELET_PORT = 10250  # one per node address
+FIXED_PORTS = {
+    "kube-apiserver": API_PORT,
+    "etcd": ETCD_PORT,
+    "etcd peer": ETCD_PEER_PORT,
+    "kueue webhook": KUEUE_WEBHOOK_PORT,
+    "kueue metrics": KUEUE_METRICS_PORT,
+    "kueue health": KUEUE_HEALTH_PORT,
+    "s3": S3_PORT,
+    "mlflow": MLFLOW_PORT,
+}
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 NAMESPACE = "default"
 TRAINER_IMAGE = "docker.io/library/airflow-torchrun-trainer:cluster"
 PAUSE_IMAGE = "localhost/airflow-torchrun/pause:1"

@@ -20,6 +20,7 @@ from cluster.kube import api_ready, kubectl, ready_nodes
 from cluster.layout import (
     BRIDGE,
     ETCD_PORT,
+    FIXED_PORTS,
     GATEWAY,
     KUBERNETES_VERSION,
     MLFLOW_PORT,
@@ -30,6 +31,7 @@ from cluster.layout import (
     TRAINER_IMAGE,
     Node,
     State,
+    ephemeral_ports,
     state,
 )
 from cluster.proc import Processes, cgroup_pids, kill, make_cgroup, remove_cgroup, terminate, unmount_all
@@ -54,6 +56,13 @@ def preflight() -> None:
     for tool in ("ip", "unshare", "mount", "umount"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed (apt-get install iproute2 util-linux mount)")
+    ephemeral = ephemeral_ports()
+    inside = sorted(f"{name} {port}" for name, port in FIXED_PORTS.items() if port in ephemeral)
+    if inside:
+        say(
+            f"warning: {', '.join(inside)} inside the ephemeral ports {ephemeral.start}-{ephemeral.stop - 1}: an "
+            "outgoing connection may hold one when it is bound; set AIRFLOW_TORCHRUN_CLUSTER_API_PORT below them"
+        )
 
 
 def network() -> None:
