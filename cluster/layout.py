@@ -69,6 +69,11 @@ def ephemeral_ports() -> range:
         return range(32768, 61000)  # Linux's default
 
 
+def fixed_ports_inside(ports: range) -> dict[str, int]:
+    """The fixed ports (by what binds them) that lie in ``ports``."""
+    return {name: port for name, port in FIXED_PORTS.items() if port in ports}
+
+
 NAMESPACE = "default"
 TRAINER_IMAGE = "docker.io/library/airflow-torchrun-trainer:cluster"
 PAUSE_IMAGE = "localhost/airflow-torchrun/pause:1"

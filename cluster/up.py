@@ -20,7 +20,6 @@ from cluster.kube import api_ready, kubectl, ready_nodes
 from cluster.layout import (
     BRIDGE,
     ETCD_PORT,
-    FIXED_PORTS,
     GATEWAY,
     KUBERNETES_VERSION,
     MLFLOW_PORT,
@@ -32,6 +31,7 @@ from cluster.layout import (
     Node,
     State,
     ephemeral_ports,
+    fixed_ports_inside,
     state,
 )
 from cluster.proc import Processes, cgroup_pids, kill, make_cgroup, remove_cgroup, terminate, unmount_all
@@ -57,7 +57,7 @@ def preflight() -> None:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} is not installed (apt-get install iproute2 util-linux mount)")
     ephemeral = ephemeral_ports()
-    inside = sorted(f"{name} {port}" for name, port in FIXED_PORTS.items() if port in ephemeral)
+    inside = sorted(f"{name} {port}" for name, port in fixed_ports_inside(ephemeral).items())
     if inside:
         say(
             f"warning: {', '.join(inside)} inside the ephemeral ports {ephemeral.start}-{ephemeral.stop - 1}: an "

@@ -7,12 +7,12 @@ hold one when ``make cluster`` binds it (CI once failed so: etcd's "bind: addres
 
 from __future__ import annotations
 
-from cluster.layout import FIXED_PORTS, ephemeral_ports
+from cluster.layout import FIXED_PORTS, ephemeral_ports, fixed_ports_inside
 
 
 def test_the_clusters_fixed_ports_lie_outside_the_ephemeral_range() -> None:
     ephemeral = ephemeral_ports()
-    inside = {name: port for name, port in FIXED_PORTS.items() if port in ephemeral}
+    inside = fixed_ports_inside(ephemeral)
     assert not inside, f"{inside} inside {ephemeral.start}-{ephemeral.stop - 1}"
 
 
