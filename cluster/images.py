@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 from cluster.layout import PAUSE_IMAGE
@@ -71,6 +72,39 @@ def pause_image_tar(pause: Path, out: Path) -> Path:
         for path in sorted(work.rglob("*")):
             tar.add(path, arcname=str(path.relative_to(work)), recursive=False)
     return out
+
+
+def ctr_import_stream(ctr: Path, socket: Path, source: list[str]) -> None:
+    """Pipe an image tar written to stdout by ``source`` (``docker save``) into a node's containerd.
+    Nothing is written to disk on the way, and containerd drops each layer's blob once it is unpacked:
+    a node keeps only the snapshots its containers run from, one copy of the image instead of three."""
+    cmd = [str(ctr), "--address", str(socket), "--namespace", "k8s.io", "images", "import", "--local"]
+    with tempfile.TemporaryFile() as source_err:
+        producer = subprocess.Popen(source, stdout=subprocess.PIPE, stderr=source_err)
+        assert producer.stdout is not None
+        try:
+            done = subprocess.run(
+                [*cmd, "--discard-unpacked-layers", "-"],
+                stdin=producer.stdout,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                check=False,
+            )
+        finally:
+            producer.stdout.close()
+            # ctr gone early: the producer's next write fails and it exits; kill it if it hangs.
+            try:
+                producer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                producer.kill()
+                producer.wait()
+        source_err.seek(0)
+        err = source_err.read().decode(errors="replace")
+    if producer.returncode != 0:
+        raise SystemExit(f"{' '.join(source[:2])} exited {producer.returncode}: {err[-2000:]}")
+    if done.returncode != 0:
+        raise SystemExit(f"importing the output of {' '.join(source[:2])} into {socket} failed: {done.stderr[-2000:]}")
 
 
 def ctr_import(ctr: Path, socket: Path, tar: Path) -> None:

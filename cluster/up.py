@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from cluster import configs, images, pki
-from cluster.build import BY_NAME, COMPONENTS, binary, build_all, say
+from cluster.build import BY_NAME, COMPONENTS, binary, build_all, require_free, say
 from cluster.kube import api_ready, kubectl, ready_nodes
 from cluster.layout import (
     BRIDGE,
@@ -243,27 +243,29 @@ def _quote(value: str) -> str:
 
 def trainer_image(st: State) -> None:
     """Build the trainer image as ``make image-test`` does (Docker, debootstrap, the CPU torch
-    base) and import it into every node's containerd unless it holds that very image already."""
+    base) and stream it into every node's containerd unless it holds that very image already."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "images"))
     import image_test
 
-    tar = st.dir / "trainer-image.tar"
+    name = TRAINER_IMAGE.split("/", 2)[-1]
+    ctr = binary("ctr")
     with image_test.docker_daemon():
         image_test.build_rootfs()
         image_test.build_base()
         image_test.build_trainer()
-        image_test.docker("tag", image_test.TRAINER_IMAGE, TRAINER_IMAGE.split("/", 2)[-1])
-        image_id = image_test.docker("image", "inspect", "--format", "{{.Id}}", image_test.TRAINER_IMAGE).strip()
+        image_test.docker("tag", image_test.TRAINER_IMAGE, name)
+        inspect = image_test.docker("image", "inspect", "--format", "{{.Id}} {{.Size}}", image_test.TRAINER_IMAGE)
+        image_id, size = inspect.split()
         fresh = [n for n in NODES if _imported(st, n) != image_id]
         if fresh:
-            say(f"saving the trainer image {image_id[:19]}")
-            image_test.docker("save", "-o", str(tar), TRAINER_IMAGE.split("/", 2)[-1], timeout=900)
-    ctr = binary("ctr")
-    for node in fresh:
-        say(f"importing the trainer image into {node.name}")
-        images.ctr_import(ctr, st.containerd_socket(node), tar)
-        (st.node_dir(node) / "trainer-image.id").write_text(image_id)
-    tar.unlink(missing_ok=True)
+            # Each node ends with one unpacked copy; the one being imported holds its layers too
+            # until they are unpacked.
+            need = (len(fresh) + 1) * int(size) * 11 // 10
+            require_free(st.dir, need, f"importing the trainer image into {len(fresh)} node(s)")
+        for node in fresh:
+            say(f"importing the trainer image {image_id[:19]} ({int(size) / 2**30:.1f} GiB) into {node.name}")
+            images.ctr_import_stream(ctr, st.containerd_socket(node), ["docker", "save", name])
+            (st.node_dir(node) / "trainer-image.id").write_text(image_id)
 
 
 def _imported(st: State, node: Node) -> str:

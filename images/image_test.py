@@ -203,6 +203,10 @@ def build_base() -> None:
         return
     context = STATE / "base-context"
     shutil.rmtree(context, ignore_errors=True)
+    # torch's wheels, the context Docker copies them into, and the installed layer: 3 GiB measured.
+    free = shutil.disk_usage(STATE).free
+    if free < 4 << 30:
+        raise Failure(f"building {BASE_IMAGE} needs about 4 GiB free under {STATE}; it has {free / 2**30:.1f} GiB")
     (context / "wheels").mkdir(parents=True)
     shutil.copy(ca_bundle(), context / "ca-certificates.crt")
     say(f"downloading the CPU wheel of {TORCH_PIN} and its dependencies")

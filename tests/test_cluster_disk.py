@@ -1,0 +1,41 @@
+"""``make cluster`` on a disk too small for it (``cluster.build.require_free``), checked without a
+cluster on a real file system of 16 MiB (a tmpfs; the tests run as root).
+
+What must hold: the check stops before the work, with a message naming what needs the space, how much,
+where, and how much there is; on a file system with room it lets the work go on. CI once failed 27
+minutes in with "no space left on device" from deep inside ``docker save``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.build import require_free
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(tmp_path)], check=True)
+    try:
+        yield tmp_path
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+
+
+def test_a_disk_without_room_stops_the_work_first_and_says_how_much_is_missing(small_disk: Path) -> None:
+    (small_disk / "filler").write_bytes(b"\0" * (8 << 20))
+    with pytest.raises(SystemExit) as stopped:
+        require_free(small_disk / "images", 1 << 30, "importing the trainer image into 2 node(s)")
+    message = str(stopped.value)
+    assert "importing the trainer image into 2 node(s) needs about 1.0 GiB free" in message
+    assert str(small_disk / "images") in message
+    assert "it has 0.0 GiB" in message
+
+
+def test_a_disk_with_room_lets_the_work_go_on(small_disk: Path) -> None:
+    require_free(small_disk / "images", 4 << 20, "importing the trainer image into 1 node(s)")
+    assert (small_disk / "images").is_dir()
