@@ -683,6 +683,14 @@ class RunEngine:
             },
         )
 
+    def restore(self, carry: Mapping[str, Any]) -> Launches:
+        """Take back what :meth:`trigger` carried through the deferral (the re-entry's engine is new):
+        the timeline and the books; the try's launches are returned for :meth:`drive`."""
+        self.timeline = Timeline.from_list(carry.get("timeline"))
+        if self.books is not None:
+            self.books.restore(carry.get("books"))
+        return Launches.from_dict(carry.get("launches"))
+
     def conclude(self, handle: GroupHandle, verdict: Verdict) -> Any:
         """End the try: the contract's result, or the group's story raised (retryable or not)."""
         if verdict.outcome is Outcome.SUCCEEDED:

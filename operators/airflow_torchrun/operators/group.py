@@ -288,23 +288,15 @@ class GroupOperator(BaseOperator):
 
         spec = self._rendered_spec()
         engine = self._engine_for(context, spec, backend_for_task(spec.backend, self.task_backend_options()))
-        try:
-            handle, launches = engine.start()
-            engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
-            handle, verdict = engine.drive(handle, launches, defer=self._deferring(engine))
-        except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
-            raise under_policy(exc, self._where) from exc
-        return engine.conclude(handle, verdict)
+        return self._drive(engine, context, engine.start)
 
     def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
         """Re-entry after the trigger fired: everything rebuilt from the event, then as sync mode goes on."""
         from airflow_torchrun.backends.base import backend_from_handle
-        from airflow_torchrun.engine import Launches
-        from airflow_torchrun.timeline import Timeline
         from airflow_torchrun.triggers import GroupEvent
 
         group_event = GroupEvent.from_payload(event)
-        handle = group_event.handle
+        handle, carry = group_event.handle, group_event.carry
         backend = backend_from_handle(handle)
         self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
         try:
@@ -312,18 +304,22 @@ class GroupOperator(BaseOperator):
         except BaseException:
             backend.teardown(handle)  # whatever the trigger saw, nothing may run on unwatched
             raise
-        engine = self._engine_for(context, spec, backend, dict(group_event.carry.get("contract") or {}))
+        engine = self._engine_for(context, spec, backend, dict(carry.get("contract") or {}))
         engine.handle = handle
-        engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
-        engine.timeline = Timeline.from_list(group_event.carry.get("timeline"))
-        if engine.books is not None:
-            engine.books.restore(group_event.carry.get("books"))
-        launches = Launches.from_dict(group_event.carry.get("launches"))
+        launches = engine.restore(carry)
+        return self._drive(
+            engine, context, lambda: (handle, launches), verdict=group_event.verdict(), seen=group_event.seen
+        )
+
+    def _drive(
+        self, engine: RunEngine, context: Context, begin: Callable[[], tuple[GroupHandle, Launches]], **resumed: Any
+    ) -> Any:
+        """Watch the group ``begin`` launched (or the trigger handed back) to its end, and conclude."""
         try:
-            handle, verdict = engine.drive(
-                handle, launches, verdict=group_event.verdict(), seen=group_event.seen, defer=self._deferring(engine)
-            )
-        except TorchrunError as exc:
+            handle, launches = begin()
+            engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
+            handle, verdict = engine.drive(handle, launches, defer=self._deferring(engine), **resumed)
+        except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
             raise under_policy(exc, self._where) from exc
         return engine.conclude(handle, verdict)
 
