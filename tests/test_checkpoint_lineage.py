@@ -246,6 +246,50 @@ def test_two_writers_on_one_root_never_lose_a_committed_step(root: str, tmp_path
         assert state is not None and float(state["w"][0]) in (100.0 + step, 200.0 + step)
 
 
+def test_two_writers_entering_one_step_at_the_same_moment_never_clobber_each_other(root: str) -> None:
+    """The race of the test above made certain: two writers start every step's save together (a
+    barrier), so both ask whether the step exists before either has written it. Only one may take
+    the plain names; the other writes beside it, and the marker that wins names intact files."""
+    import threading
+
+    together = threading.Barrier(2)
+    failures: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        try:
+            for step in range(1, 6):
+                together.wait(timeout=60)
+                save_checkpoint({"w": torch.full((20000,), float(seed * 100 + step))}, step, uri=root, keep_last=0)
+        except BaseException as exc:  # reported below, with the thread's own traceback
+            failures.append(exc)
+            together.abort()
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not failures, failures
+    store = CheckpointStore(root)
+    for step in range(1, 6):
+        assert store.verify(step) == [], step
+        marker = store.read_marker(step)
+        state = load_checkpoint(uri=store.step_uri(step))
+        assert state is not None and float(state["w"][0]) in (100.0 + step, 200.0 + step)
+        # Exactly one of the two took the plain name; the other's file has a name of its own.
+        names = [n for n in store.list_files(step) if n.startswith("state")]
+        assert len(names) == 2 and "state.pt" in names, names
+        assert marker["state_file"] in names
+
+
+def test_a_step_is_claimed_once(root: str) -> None:
+    stores = [CheckpointStore(root), CheckpointStore(root)]
+    assert [s.claim(7) for s in stores] == [True, False]
+    assert stores[0].claim(7) is False  # not even by the one that claimed it: a second save writes beside
+    save_checkpoint({"w": torch.zeros(2)}, 8, uri=root)
+    assert stores[1].claim(8) is False  # a step written by save_checkpoint is claimed too
+
+
 # -- trust boundary --------------------------------------------------------------------------------
 def test_a_foreign_sharded_checkpoint_needs_opt_in(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
     theirs = f"file://{tmp_path}/theirs"

@@ -6,6 +6,7 @@ Layout under a checkpoint URI (``file://`` or a plain local path by default, ``s
                                        airflow_torchrun.worker.checkpoint for what save_checkpoint writes)
     <uri>/step-00000120/COMMITTED     (JSON: step, time, world size, format, lineage and writer, every
                                        file with its size and CRC-32; written last)
+    <uri>/step-00000120/.claim        (object stores only: how the step's first writer claimed it)
     <uri>/LINEAGE                     (JSON: the task instance lineage that owns the root; see
                                        airflow_torchrun.storage.lineage)
 
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8
 COMMIT_MARKER = "COMMITTED"
+# The empty object by which the first writer of a step claims it on an object store (:meth:`CheckpointStore.claim`).
+CLAIM = ".claim"
 MARKER_VERSION = 2
 CHECKSUM_ALGO = "crc32"
 # Read in pieces this big when checksumming a stored file.
@@ -247,6 +250,30 @@ class CheckpointStore:
             if rel and rel != COMMIT_MARKER and info.get("type") != "directory":
                 files[rel] = int(info.get("size") or 0)
         return dict(sorted(files.items()))
+
+    def claim(self, step: int) -> bool:
+        """Whether this writer is the first to write ``step`` into this store, decided in one atomic
+        operation, so two writers of one step (a zombie try and its retry) never both take the plain
+        file names: locally the step's directory is created exclusively; on an object store, an empty
+        ``CLAIM`` object is created with ``If-None-Match: *`` (a store that ignores the condition
+        lets both through, as a plain existence check would). A step that exists already (torn,
+        committed, being written) is never claimed."""
+        path = self.step_path(step)
+        if self.location.scheme == "file":
+            os.makedirs(self.location.path, exist_ok=True)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                return False
+            return True
+        self.fs.invalidate_cache(self.location.path)
+        if self.fs.exists(path):
+            return False
+        try:
+            self.fs.pipe_file(f"{path}/{CLAIM}", b"", mode="create")
+        except FileExistsError:
+            return False
+        return True
 
     def commit(
         self,

@@ -174,7 +174,7 @@ class _SaveJob:
         step_path = self.store.step_path(self.step)
         written: dict[str, tuple[int, str]] = {}
         if self.comm.rank == 0:
-            name = _writer_name(self.store, self.step, STATE_FILE)
+            (name,) = _writer_names(self.store, self.step, STATE_FILE)
             # One file, one fsync: the RNG states are small and every rank reads the state anyway.
             written[name] = write_torch(self.store, f"{step_path}/{name}", {**(payload or {}), "rng": self.rng_states})
         self.comm.barrier()
@@ -190,9 +190,7 @@ class _SaveJob:
 
         step_path = self.store.step_path(self.step)
         names = self.comm.all_gather(
-            (_writer_name(self.store, self.step, DCP_DIR), _writer_name(self.store, self.step, RNG_FILE))
-            if self.comm.rank == 0
-            else None
+            _writer_names(self.store, self.step, DCP_DIR, RNG_FILE) if self.comm.rank == 0 else None
         )[0]
         dcp_dir, rng_file = names
         writer = FsspecWriter(f"{self.store.step_uri(self.step)}/{dcp_dir}", **self.store.storage_options)
@@ -240,20 +238,19 @@ class _SaveJob:
                 log.warning("Could not prune old checkpoints under %s", store.uri, exc_info=True)
 
 
-def _writer_name(store: CheckpointStore, step: int, name: str) -> str:
-    """``name`` for a new step directory; a name of this writer's own when the directory exists
-    (a torn leftover, another try's committed copy, a writer racing this one): nothing another
-    writer committed is overwritten or deleted, and the marker, replaced in one piece, names
-    only the files of the writer that wrote it."""
-    store.fs.invalidate_cache(store.location.path)
-    if not store.fs.exists(store.step_path(step)):
-        return name
-    stem, dot, ext = name.partition(".")
-    unique = f"{stem}-{uuid.uuid4().hex[:8]}{dot}{ext}"
+def _writer_names(store: CheckpointStore, step: int, *names: str) -> tuple[str, ...]:
+    """``names`` when this writer is the first of the step (:meth:`CheckpointStore.claim`); else names of
+    this writer's own (the step is a torn leftover, another try's committed copy, or a writer racing
+    this one): nothing another writer committed is overwritten or deleted, and the marker, replaced in
+    one piece, names only the files of the writer that wrote it."""
+    if store.claim(step):
+        return names
+    mine = uuid.uuid4().hex[:8]
+    unique = tuple(f"{stem}-{mine}{dot}{ext}" for stem, dot, ext in (n.partition(".") for n in names))
     log.info(
         "Checkpoint %s already exists (%s); writing %s beside what is there",
         store.step_uri(step),
         "committed" if store.is_committed(step) else "torn",
-        unique,
+        ", ".join(unique),
     )
     return unique
