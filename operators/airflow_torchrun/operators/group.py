@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from airflow_torchrun.compat import Context
     from airflow_torchrun.engine import Launches, RunEngine
     from airflow_torchrun.operators.contracts import RankContract
+    from airflow_torchrun.watch import Verdict
 
 
 class GroupOperator(BaseOperator):
@@ -312,13 +313,19 @@ class GroupOperator(BaseOperator):
         )
 
     def _drive(
-        self, engine: RunEngine, context: Context, begin: Callable[[], tuple[GroupHandle, Launches]], **resumed: Any
+        self,
+        engine: RunEngine,
+        context: Context,
+        begin: Callable[[], tuple[GroupHandle, Launches]],
+        verdict: Verdict | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> Any:
-        """Watch the group ``begin`` launched (or the trigger handed back) to its end, and conclude."""
+        """Watch the group ``begin`` launched (or the trigger handed back, with its ``verdict``) to
+        its end, and conclude."""
         try:
             handle, launches = begin()
             engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
-            handle, verdict = engine.drive(handle, launches, defer=self._deferring(engine), **resumed)
+            handle, verdict = engine.drive(handle, launches, verdict=verdict, seen=seen, defer=self._deferring(engine))
         except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
             raise under_policy(exc, self._where) from exc
         return engine.conclude(handle, verdict)
