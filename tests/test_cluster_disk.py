@@ -1,5 +1,6 @@
 """``make cluster`` on a disk too small for it (``cluster.build.require_free``), checked without a
-cluster on a real file system of 16 MiB (a tmpfs; the tests run as root).
+cluster on a real file system of 16 MiB (a tmpfs, mounted with the mount(2) call itself: no process,
+so ``make check`` runs it; the tests run as root).
 
 What must hold: the check stops before the work, with a message naming what needs the space, how much,
 where, and how much there is; on a file system with room it lets the work go on. CI once failed 27
@@ -8,7 +9,8 @@ minutes in with "no space left on device" from deep inside ``docker save``.
 
 from __future__ import annotations
 
-import subprocess
+import ctypes
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,14 +18,23 @@ import pytest
 
 from cluster.build import require_free
 
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(tmp_path)], check=True)
+    target = str(tmp_path).encode()
+    _check(LIBC.mount(b"tmpfs", target, b"tmpfs", 0, b"size=16m"), f"mount tmpfs on {tmp_path}")
     try:
         yield tmp_path
     finally:
-        subprocess.run(["umount", str(tmp_path)], check=True)
+        _check(LIBC.umount2(target, 0), f"umount {tmp_path}")
 
 
 def test_a_disk_without_room_stops_the_work_first_and_says_how_much_is_missing(small_disk: Path) -> None:
