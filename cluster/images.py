@@ -101,10 +101,14 @@ def ctr_import_stream(ctr: Path, socket: Path, source: list[str]) -> None:
                 producer.wait()
         source_err.seek(0)
         err = source_err.read().decode(errors="replace")
+    # ctr first: when it fails early, the producer dies of the closed pipe and has nothing to say.
+    if done.returncode != 0:
+        raise SystemExit(
+            f"importing the output of {' '.join(source[:2])} into {socket} failed (ctr exited {done.returncode}): "
+            f"{done.stderr[-2000:]}" + (f"\n{' '.join(source[:2])} said: {err[-1000:]}" if err.strip() else "")
+        )
     if producer.returncode != 0:
         raise SystemExit(f"{' '.join(source[:2])} exited {producer.returncode}: {err[-2000:]}")
-    if done.returncode != 0:
-        raise SystemExit(f"importing the output of {' '.join(source[:2])} into {socket} failed: {done.stderr[-2000:]}")
 
 
 def ctr_import(ctr: Path, socket: Path, tar: Path) -> None:

@@ -8,6 +8,7 @@ disk once ran out of.
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 from cluster import images
@@ -16,7 +17,17 @@ from cluster.layout import NODES, TRAINER_IMAGE, state
 
 
 def _size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    """Bytes of the regular files under ``folder`` (links not followed; a file a running container
+    removes meanwhile is skipped)."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            total += info.st_size
+    return total
 
 
 def test_each_node_holds_the_trainer_image_unpacked_and_no_copy_of_its_layers(

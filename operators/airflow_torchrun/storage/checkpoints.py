@@ -23,6 +23,7 @@ use it inside the ranks. Locations are :mod:`~airflow_torchrun.storage.uri`'s, S
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -255,9 +256,9 @@ class CheckpointStore:
         """Whether this writer is the first to write ``step`` into this store, decided in one atomic
         operation, so two writers of one step (a zombie try and its retry) never both take the plain
         file names: locally the step's directory is created exclusively; on an object store, an empty
-        ``CLAIM`` object is created with ``If-None-Match: *`` (a store that ignores the condition
-        lets both through, as a plain existence check would). A step that exists already (torn,
-        committed, being written) is never claimed."""
+        ``CLAIM`` object is created with ``If-None-Match: *`` (AWS S3 and moto honour it; a store
+        that ignores the condition lets both through, as the existence check before it would). A
+        step that exists already (torn, committed, being written) is never claimed."""
         path = self.step_path(step)
         if self.location.scheme == "file":
             os.makedirs(self.location.path, exist_ok=True)
@@ -273,6 +274,12 @@ class CheckpointStore:
             self.fs.pipe_file(f"{path}/{CLAIM}", b"", mode="create")
         except FileExistsError:
             return False
+        except OSError as exc:
+            # The condition failed without saying which (412, EINVAL) or a racing put won (409
+            # ConditionalRequestConflict, EBUSY): another writer has the step.
+            if exc.errno in (errno.EINVAL, errno.EBUSY):
+                return False
+            raise
         return True
 
     def commit(
