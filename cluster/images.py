@@ -74,17 +74,20 @@ def pause_image_tar(pause: Path, out: Path) -> Path:
     return out
 
 
+def _import_command(ctr: Path, socket: Path) -> list[str]:
+    return [str(ctr), "--address", str(socket), "--namespace", "k8s.io", "images", "import", "--local"]
+
+
 def ctr_import_stream(ctr: Path, socket: Path, source: list[str]) -> None:
     """Pipe an image tar written to stdout by ``source`` (``docker save``) into a node's containerd.
     Nothing is written to disk on the way, and containerd drops each layer's blob once it is unpacked:
     a node keeps only the snapshots its containers run from, one copy of the image instead of three."""
-    cmd = [str(ctr), "--address", str(socket), "--namespace", "k8s.io", "images", "import", "--local"]
     with tempfile.TemporaryFile() as source_err:
         producer = subprocess.Popen(source, stdout=subprocess.PIPE, stderr=source_err)
         assert producer.stdout is not None
         try:
             done = subprocess.run(
-                [*cmd, "--discard-unpacked-layers", "-"],
+                [*_import_command(ctr, socket), "--discard-unpacked-layers", "-"],
                 stdin=producer.stdout,
                 capture_output=True,
                 text=True,
@@ -113,7 +116,7 @@ def ctr_import_stream(ctr: Path, socket: Path, source: list[str]) -> None:
 
 def ctr_import(ctr: Path, socket: Path, tar: Path) -> None:
     done = subprocess.run(
-        [str(ctr), "--address", str(socket), "--namespace", "k8s.io", "images", "import", "--local", str(tar)],
+        [*_import_command(ctr, socket), str(tar)],
         capture_output=True,
         text=True,
         timeout=900,
