@@ -54,8 +54,10 @@ def test_missing_script_is_named_with_its_resolved_path(tmp_path):
     def make() -> GroupSpec:
         return GroupSpec.create(script=str(tmp_path / "missing.py"))
 
-    with pytest.raises(InvalidSpecError, match=r"script '.*missing\.py' does not exist \(resolved to"):
+    with pytest.raises(InvalidSpecError, match=r"script '.*missing\.py' does not exist \(resolved to") as info:
         validate_task(make, where="task d.t", backend="local", run=RunSettings())
+    # Where a relative script may live: the operator looks beside the DAG file too (resolve_script).
+    assert "relative to the DAG file's folder or the worker's current directory" in str(info.value)
     assert validate_task(
         lambda: GroupSpec.create(script="/opt/trainer/missing.py", backend="kubernetes"),
         where="task d.t",
@@ -163,3 +165,33 @@ def test_parsing_a_dag_imports_no_torch_kubernetes_s3fs_or_mlflow(airflow_db):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert "HEAVY []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_relative_script_is_found_beside_the_dag_file(tmp_path, monkeypatch):
+    """README "Your own script": a relative ``script=`` is looked up in the current directory, then
+    next to the DAG file; the task keeps the absolute path it found."""
+    import runpy
+
+    dags, elsewhere = tmp_path / "dags", tmp_path / "worker-cwd"
+    dags.mkdir()
+    elsewhere.mkdir()
+    (dags / "train.py").write_text("print('hi')\n")
+    (dags / "my_training.py").write_text(
+        textwrap.dedent(
+            """
+            import pendulum
+            from airflow.sdk import DAG
+            from airflow_torchrun import DistributedTrainingOperator
+
+            with DAG("my_training", schedule=None, start_date=pendulum.datetime(2026, 1, 1)):
+                task = DistributedTrainingOperator(task_id="train", script="train.py", num_nodes=2, backend="local")
+            """
+        )
+    )
+    monkeypatch.chdir(elsewhere)
+    task = runpy.run_path(str(dags / "my_training.py"))["task"]
+    assert task.script == str(dags / "train.py")
+    assert task.group_spec().script == str(dags / "train.py")
+    # In the current directory, the same name wins (looked up first).
+    (elsewhere / "train.py").write_text("print('here')\n")
+    assert runpy.run_path(str(dags / "my_training.py"))["task"].script == str(elsewhere / "train.py")

@@ -157,7 +157,7 @@ class LocalBackend(Backend[LocalHandle]):
         if spec.script and not Path(spec.script).is_file():
             problems.append(
                 f"script {spec.script!r} does not exist (resolved to {Path(spec.script).resolve()}); "
-                "give an absolute path, or a path relative to the directory the worker runs in"
+                "give an absolute path, or one relative to the DAG file's folder or the worker's current directory"
             )
         return problems
 
