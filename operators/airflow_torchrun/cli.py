@@ -4,7 +4,9 @@
 exactly the Kubernetes objects that task would create (its Indexed Job and headless Service), for
 review and for ``kubectl apply --dry-run=server -f -``. Nothing is sent to a cluster and no
 metadata database is needed; the task's templated fields are rendered with a small context
-(``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``try_number``, ``map_index``).
+(``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``dag_run.conf``, ``try_number``,
+``map_index``), with ``--conf`` merged over the DAG's params as a triggered run's conf is. An
+upstream task's output (``shard.output``) is shown as a placeholder: it exists only at run time.
 
 The variables the operator resolves at launch with I/O (checkpoint location and resume point,
 MLflow run) are shown as the operator's ``contract_env_preview(context)`` gives them, without I/O.
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from airflow_torchrun.errors import TorchrunError
@@ -67,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
         help="logical date for templates, ISO 8601 (default: now, UTC)",
     )
     render.add_argument(
+        "--conf",
+        type=_json_object,
+        default={},
+        help="the run's conf, a JSON object, as the Trigger form sends it: merged over the DAG's params and "
+        'checked against them, e.g. \'{"backend": "kubernetes"}\' (default: {})',
+    )
+    render.add_argument(
         "--namespace",
         help="namespace of the objects (default: the task's, else [torchrun] kubernetes_namespace, else default)",
     )
@@ -76,6 +88,16 @@ def _parser() -> argparse.ArgumentParser:
         help="read runtimes from this YAML file instead of [torchrun] runtimes_file and the Airflow Variable",
     )
     return parser
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"epochs\": 3}}', got {text!r}")
+    return value
 
 
 def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> GroupOperator:
@@ -114,20 +136,43 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
     logical = datetime.fromisoformat(args.logical_date) if args.logical_date else datetime.now(tz=UTC)
     if logical.tzinfo is None:
         logical = logical.replace(tzinfo=UTC)
-    params = task.dag.params
+    params = copy.deepcopy(task.dag.params)
+    try:
+        for key, value in args.conf.items():
+            params[key] = value  # a DAG param checks the value it is given
+        resolved = params.validate() if hasattr(params, "validate") else dict(params or {})
+    except Exception as exc:  # ParamValidationError, and what a Param's schema raises
+        # jsonschema's first paragraph says it; the schema and instance dumps after it do not help.
+        raise CliError(f"--conf does not fit the DAG's params: {str(exc).split(chr(10) * 2, 1)[0]}") from exc
     return {
         "dag": task.dag,
         "task": task,
         "run_id": args.run_id,
+        "dag_run": SimpleNamespace(run_id=args.run_id, conf=dict(args.conf), logical_date=logical),
         "logical_date": logical,
         "ds": logical.strftime("%Y-%m-%d"),
         "ds_nodash": logical.strftime("%Y%m%d"),
         "ts": logical.isoformat(),
         "ts_nodash": logical.strftime("%Y%m%dT%H%M%S"),
-        "params": params.dump() if hasattr(params, "dump") else dict(params or {}),
+        "params": resolved,
         "try_number": args.try_number,
         "map_index": args.map_index,
     }
+
+
+def _without_upstream_outputs(value: Any) -> Any:
+    """``value`` with each upstream output (an ``XComArg``: ``shard.output``, a TaskFlow call) replaced by
+    a placeholder that names it: it exists only once the upstream task has run."""
+    from airflow.sdk.definitions.xcom_arg import XComArg
+
+    if isinstance(value, XComArg):
+        names = ", ".join(f"{key!r} of task {op.task_id}" for op, key in value.iter_references())
+        return f"<XCom {names}, resolved at run time>"
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_upstream_outputs(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _without_upstream_outputs(v) for k, v in value.items()}
+    return value
 
 
 def render_task(args: argparse.Namespace) -> str:
@@ -139,12 +184,14 @@ def render_task(args: argparse.Namespace) -> str:
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
     context = cast("Context", _context(task, args))
+    for field in task.template_fields:
+        setattr(task, field, _without_upstream_outputs(getattr(task, field, None)))
     try:
         task.render_template_fields(context)
     except Exception as exc:
         raise CliError(
             f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "
-            "run_id, ds, ts, logical_date, params, try_number and map_index to templates"
+            "run_id, ds, ts, logical_date, params, dag_run.conf, try_number and map_index to templates"
         ) from exc
     spec = task.group_spec()
     if spec.backend != KubernetesBackend.name:

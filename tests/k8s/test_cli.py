@@ -154,3 +154,104 @@ def test_contract_variables_come_from_a_side_effect_free_preview(tmp_path: Path,
     assert "Not shown" not in out
     env = next(yaml.safe_load_all(out))["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "TRAIN_CHECKPOINT_URI", "value": "s3://ckpt/r1"} in env
+
+
+UPSTREAM = textwrap.dedent(
+    """
+    import pendulum
+    from airflow.sdk import DAG, task
+    from airflow_torchrun import DistributedTrainingOperator
+
+    with DAG("chained", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False,
+             params={"epochs": 3, "lr": 0.1}):
+        @task
+        def manifest():
+            return "s3://data/manifest.json"
+
+        m = manifest()
+        DistributedTrainingOperator(
+            task_id="train",
+            backend="kubernetes",
+            runtime="cpu",
+            script="/opt/trainer/train.py",
+            script_args=["--epochs", "{{ params.epochs }}", "--lr", "{{ params.lr }}", "--data", m],
+            env={"NOTE": "{{ dag_run.conf.get('note', 'none') }}"},
+            checkpoint_uri="s3://ckpt/chained",
+            shard_manifest=m,
+            track=False,
+        )
+    """
+)
+
+
+def _trainer(out: str) -> dict[str, object]:
+    job = next(yaml.safe_load_all(out))
+    return dict(job["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_render_shows_upstream_outputs_as_placeholders_and_takes_the_runs_conf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upstream task's output (``XComArg``) exists only at run time: shown as a placeholder that
+    names it (it failed with KeyError 'ti' before); ``--conf`` is merged over the params as a
+    triggered run's conf is, and ``dag_run.conf`` reads it."""
+    path = tmp_path / "chained.py"
+    path.write_text(UPSTREAM)
+    args = ["render", "--dag-file", str(path), "--task-id", "train"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    trainer = _trainer(out)
+    placeholder = "<XCom 'return_value' of task manifest, resolved at run time>"
+    assert trainer["command"][-6:] == ["--epochs", "3", "--lr", "0.1", "--data", placeholder], trainer["command"]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert (env["TRAIN_SHARD_MANIFEST"], env["NOTE"]) == (placeholder, "none"), env
+    for obj in yaml.safe_load_all(out):
+        kubernetes_validate.validate(obj, "1.34.0", strict=True)
+
+    assert cli.main([*args, "--conf", '{"epochs": 7, "note": "from the form"}']) == 0
+    trainer = _trainer(capsys.readouterr().out)
+    assert trainer["command"][-6:-2] == ["--epochs", "7", "--lr", "0.1"], trainer["command"]
+    assert {"name": "NOTE", "value": "from the form"} in trainer["env"]
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ('{"backend": "slurm"}', "--conf does not fit the DAG's params: Invalid input for param backend: 'slurm'"),
+        ('{"num_nodes": 0}', "--conf does not fit the DAG's params: Invalid input for param num_nodes"),
+    ],
+)
+def test_render_refuses_a_conf_the_trigger_form_would(conf: str, message: str, capsys) -> None:
+    pipeline = Path(__file__).resolve().parents[2] / "dags" / "torchrun_pipeline.py"
+    assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train", "--conf", conf]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Failed validating" not in err, err
+
+
+def test_render_refuses_conf_that_is_not_a_json_object(dag_file: Path, capsys) -> None:
+    for conf, message in (("[1]", "a JSON object is needed"), ("{epochs: 3}", "not JSON")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["render", "--dag-file", str(dag_file), "--task-id", "train", "--conf", conf])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_render_shows_the_shipped_pipelines_training_job(monkeypatch, capsys) -> None:
+    """README: ``make demo BACKEND=kubernetes`` runs the pipeline's training as a Job; ``render`` shows
+    that Job from the DAG file, with the run's conf, before anything runs."""
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__CHECKPOINT_BASE", "s3://ckpt/base")
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    pipeline = Path(__file__).resolve().parents[2] / "dags" / "torchrun_pipeline.py"
+    conf = '{"backend": "kubernetes", "num_nodes": 2, "shards_uri": "s3://data/shards"}'
+    assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train", "--conf", conf]) == 0
+    out = capsys.readouterr().out
+    objects = list(yaml.safe_load_all(out))
+    assert [o["kind"] for o in objects] == ["Job", "Service", "NetworkPolicy"]
+    assert objects[0]["spec"]["completions"] == 2
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.34.0", strict=True)
+    env = {e["name"]: e.get("value") for e in _trainer(out)["env"]}
+    assert env["TRAIN_SHARD_MANIFEST"] == "<XCom 'return_value' of task shard, resolved at run time>", env
+    # Without --conf the pipeline's training runs locally: nothing to render, and render says so.
+    assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train"]) == 1
+    assert "uses backend='local'" in capsys.readouterr().err
