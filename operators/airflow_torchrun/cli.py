@@ -5,8 +5,9 @@ exactly the Kubernetes objects that task would create (its Indexed Job and headl
 review and for ``kubectl apply --dry-run=server -f -``. Nothing is sent to a cluster and no
 metadata database is needed; the task's templated fields are rendered with a small context
 (``run_id``, ``ds``, ``ts``, ``logical_date``, ``params``, ``dag_run.conf``, ``try_number``,
-``map_index``), with ``--conf`` merged over the DAG's params as a triggered run's conf is. An
-upstream task's output (``shard.output``) is shown as a placeholder: it exists only at run time.
+``map_index``, and ``ti.xcom_pull``), with ``--conf`` merged over the DAG's params as a triggered
+run's conf is. An upstream task's output (``shard.output``, ``ti.xcom_pull(...)``) is shown as a
+placeholder that names it: it exists only at run time.
 
 The variables the operator resolves at launch with I/O (checkpoint location and resume point,
 MLflow run) are shown as the operator's ``contract_env_preview(context)`` gives them, without I/O.
@@ -157,7 +158,38 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
         "params": resolved,
         "try_number": args.try_number,
         "map_index": args.map_index,
+        "ti": SimpleNamespace(
+            dag_id=task.dag_id,
+            task_id=task.task_id,
+            run_id=args.run_id,
+            try_number=args.try_number,
+            map_index=args.map_index,
+            xcom_pull=_pending_xcom,
+        ),
     }
+
+
+class _Pending:
+    """What an upstream task will have pushed: a placeholder that keeps track of how a template
+    reads it (``ti.xcom_pull(task_ids='train')['final_checkpoint']``) and renders as that."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getitem__(self, key: object) -> _Pending:
+        return _Pending(f"{self._what}[{key!r}]")
+
+    def __getattr__(self, name: str) -> _Pending:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Pending(f"{self._what}.{name}")
+
+    def __str__(self) -> str:
+        return f"<{self._what}, resolved at run time>"
+
+
+def _pending_xcom(task_ids: str | Sequence[str] | None = None, key: str = "return_value", **_: Any) -> _Pending:
+    return _Pending(f"XCom {key!r} of task {task_ids}")
 
 
 def _without_upstream_outputs(value: Any) -> Any:
@@ -167,7 +199,7 @@ def _without_upstream_outputs(value: Any) -> Any:
 
     if isinstance(value, XComArg):
         names = ", ".join(f"{key!r} of task {op.task_id}" for op, key in value.iter_references())
-        return f"<XCom {names}, resolved at run time>"
+        return str(_Pending(f"XCom {names}"))
     if isinstance(value, (list, tuple)):
         return type(value)(_without_upstream_outputs(v) for v in value)
     if isinstance(value, dict):
@@ -191,7 +223,7 @@ def render_task(args: argparse.Namespace) -> str:
     except Exception as exc:
         raise CliError(
             f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "
-            "run_id, ds, ts, logical_date, params, dag_run.conf, try_number and map_index to templates"
+            "run_id, ds, ts, logical_date, params, dag_run.conf, ti.xcom_pull, try_number and map_index to templates"
         ) from exc
     spec = task.group_spec()
     if spec.backend != KubernetesBackend.name:

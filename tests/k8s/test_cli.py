@@ -236,22 +236,32 @@ def test_render_refuses_conf_that_is_not_a_json_object(dag_file: Path, capsys) -
         assert message in capsys.readouterr().err
 
 
-def test_render_shows_the_shipped_pipelines_training_job(monkeypatch, capsys) -> None:
-    """README: ``make demo BACKEND=kubernetes`` runs the pipeline's training as a Job; ``render`` shows
-    that Job from the DAG file, with the run's conf, before anything runs."""
+def test_render_shows_the_shipped_pipelines_jobs(monkeypatch, capsys) -> None:
+    """README: ``make demo BACKEND=kubernetes`` runs the pipeline's training and evaluation as Jobs;
+    ``render`` shows each from the DAG file, with the run's conf, before anything runs. What upstream
+    tasks push (``shard.output``, ``ti.xcom_pull(...)``) is shown as a placeholder that names it."""
     monkeypatch.setenv("AIRFLOW__TORCHRUN__CHECKPOINT_BASE", "s3://ckpt/base")
     monkeypatch.setenv("AIRFLOW__TORCHRUN__MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
     pipeline = Path(__file__).resolve().parents[2] / "dags" / "torchrun_pipeline.py"
     conf = '{"backend": "kubernetes", "num_nodes": 2, "shards_uri": "s3://data/shards"}'
-    assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train", "--conf", conf]) == 0
-    out = capsys.readouterr().out
-    objects = list(yaml.safe_load_all(out))
-    assert [o["kind"] for o in objects] == ["Job", "Service", "NetworkPolicy"]
-    assert objects[0]["spec"]["completions"] == 2
-    for obj in objects:
-        kubernetes_validate.validate(obj, "1.34.0", strict=True)
-    env = {e["name"]: e.get("value") for e in _trainer(out)["env"]}
-    assert env["TRAIN_SHARD_MANIFEST"] == "<XCom 'return_value' of task shard, resolved at run time>", env
+    manifest = "<XCom 'return_value' of task shard, resolved at run time>"
+    final = "<XCom 'return_value' of task train['final_checkpoint'], resolved at run time>"
+    for task_id, nodes in (("train", 2), ("evaluate", 1)):
+        assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", task_id, "--conf", conf]) == 0
+        out = capsys.readouterr().out
+        objects = list(yaml.safe_load_all(out))
+        assert [o["kind"] for o in objects] == ["Job", "Service", "NetworkPolicy"], task_id
+        assert objects[0]["spec"]["completions"] == nodes, task_id
+        for obj in objects:
+            kubernetes_validate.validate(obj, "1.34.0", strict=True)
+        env = {e["name"]: e.get("value") for e in _trainer(out)["env"]}
+        assert env["TRAIN_SHARD_MANIFEST"] == manifest, env
+        if task_id == "evaluate":
+            assert env["EVAL_CHECKPOINT_URI"] == final, env
+            assert env["EVAL_METRICS_URI"] == f"<the folder of {final}>/eval/evaluate-try1.json", env
+            # The same variables as a launch sets (the preview lacked these before).
+            run = "<XCom 'return_value' of task train['mlflow_run_id'], resolved at run time>"
+            assert (env["MLFLOW_RUN_ID"], env["MLFLOW_TRACKING_URI"]) == (run, "http://mlflow.example:5000"), env
     # Without --conf the pipeline's training runs locally: nothing to render, and render says so.
     assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train"]) == 1
     assert "uses backend='local'" in capsys.readouterr().err

@@ -70,13 +70,22 @@ class EvaluationContract:
         checkpoint evaluated is the task's argument: no launch changes it)."""
         # Storage credentials by the same rule as training's: never in plain pod env.
         env = self.io.rank_storage_env()
-        env.update(
-            {
-                contract.RESUME_FROM: self.checkpoint,
-                contract.EVAL_CHECKPOINT_URI: self.checkpoint,
-                contract.EVAL_METRICS_URI: self._metrics_location(),
-            }
-        )
+        env.update(self._variables(self._metrics_location()))
+        return env
+
+    def preview(self) -> dict[str, str]:
+        # A checkpoint known only at run time (an upstream output, shown as a placeholder by
+        # ``airflow-torchrun render``) has no folder yet: the metrics file is named beside it.
+        root = self._checkpoint_root() or f"<the folder of {self.checkpoint}>"
+        return self._variables(self._metrics_location(root))
+
+    def _variables(self, metrics_uri: str) -> dict[str, str]:
+        """The contract's own variables (no I/O): what the launch sets and ``render`` shows alike."""
+        env = {
+            contract.RESUME_FROM: str(self.checkpoint),
+            contract.EVAL_CHECKPOINT_URI: str(self.checkpoint),
+            contract.EVAL_METRICS_URI: metrics_uri,
+        }
         if self.trust_sharded or self._in_this_runs_area():
             env[contract.CHECKPOINT_TRUST_SHARDED] = "1"
         if self.shard_manifest:
@@ -84,15 +93,8 @@ class EvaluationContract:
         if self.mlflow_run_id:
             from airflow_torchrun.tracking import rank_env, resolve_tracking_uri
 
-            env.update(rank_env(self.mlflow_run_id, resolve_tracking_uri(self.mlflow_tracking_uri)))
+            env.update(rank_env(str(self.mlflow_run_id), resolve_tracking_uri(self.mlflow_tracking_uri)))
         return env
-
-    def preview(self) -> dict[str, str]:
-        return {
-            contract.RESUME_FROM: str(self.checkpoint),
-            contract.EVAL_CHECKPOINT_URI: str(self.checkpoint),
-            contract.EVAL_METRICS_URI: self._metrics_location(),
-        }
 
     def _in_this_runs_area(self) -> bool:
         """Whether the checkpoint lies where this DAG run's training tasks keep theirs by default
@@ -111,13 +113,13 @@ class EvaluationContract:
     def _checkpoint_root(self) -> str:
         return self.checkpoint.rstrip("/").rpartition("/")[0]
 
-    def _metrics_location(self) -> str:
+    def _metrics_location(self, root: str | None = None) -> str:
         """Beside the checkpoint, one file per try (deterministic: a deferred re-entry finds it)."""
         from airflow_torchrun.naming import eval_metrics_uri
 
         ti = self.io.ti
         index = ti.map_index if isinstance(ti.map_index, int) else -1
-        return eval_metrics_uri(self._checkpoint_root(), ti.task_id, index, ti.try_number)
+        return eval_metrics_uri(root or self._checkpoint_root(), ti.task_id, index, ti.try_number)
 
     def finish(self, handle: GroupHandle, verdict: Verdict, spec: GroupSpec) -> dict[str, float]:
         io = self.io
