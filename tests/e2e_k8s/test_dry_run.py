@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -66,14 +67,9 @@ with DAG("dry_run", schedule=None, start_date=pendulum.datetime(2026, 1, 1), cat
 """
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("runtime", sorted(RUNTIMES))
-def test_the_api_server_accepts_what_we_render(
-    render_env: tuple[dict[str, str], Path], runtime: str, variant: str
-) -> None:
-    env, dags = render_env
-    dag = dags / f"dry_run_{runtime}_{variant}.py"
-    dag.write_text(dag_source(runtime, VARIANTS[variant]))
+def _render_and_dry_run(env: dict[str, str], dag: Path, task_id: str, *extra: str) -> dict[str, Any]:
+    """``airflow-torchrun render`` of ``task_id``, piped into ``kubectl apply --dry-run=server``: the
+    objects as the API server answered them, by kind."""
     rendered = subprocess.run(
         [
             sys.executable,
@@ -83,9 +79,10 @@ def test_the_api_server_accepts_what_we_render(
             "--dag-file",
             str(dag),
             "--task-id",
-            "train",
+            task_id,
             "--namespace",
             NAMESPACE,
+            *extra,
         ],
         env=env,
         capture_output=True,
@@ -115,10 +112,34 @@ def test_the_api_server_accepts_what_we_render(
     )
     assert checked.returncode == 0, f"the API server refused the rendered objects:\n{checked.stderr}"
     out = [d for d in yaml.safe_load_all(checked.stdout) if d]
-    items = [i for d in out for i in (d["items"] if d["kind"] == "List" else [d])]
-    answered = {i["kind"]: i for i in items}
+    return {i["kind"]: i for d in out for i in (d["items"] if d["kind"] == "List" else [d])}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("runtime", sorted(RUNTIMES))
+def test_the_api_server_accepts_what_we_render(
+    render_env: tuple[dict[str, str], Path], runtime: str, variant: str
+) -> None:
+    env, dags = render_env
+    dag = dags / f"dry_run_{runtime}_{variant}.py"
+    dag.write_text(dag_source(runtime, VARIANTS[variant]))
+    answered = _render_and_dry_run(env, dag, "train")
     job = answered["Job"]
     # What the server defaulted or would have refused to change later is what we sent.
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["suspend"] is (runtime == "queued")
     assert job["spec"]["podFailurePolicy"]["rules"], job["spec"]
+
+
+@pytest.mark.parametrize("task_id", ["train", "evaluate"])
+def test_the_api_server_accepts_the_shipped_pipelines_jobs(
+    render_env: tuple[dict[str, str], Path], task_id: str
+) -> None:
+    """docs/kubernetes.md, "The dry run": the shipped pipeline's Jobs, for a run triggered with
+    backend=kubernetes, with what upstream tasks push shown as placeholders."""
+    env, _ = render_env
+    pipeline = Path(__file__).resolve().parents[2] / "dags" / "torchrun_pipeline.py"
+    conf = '{"backend": "kubernetes", "shards_uri": "s3://data/shards"}'
+    job = _render_and_dry_run(env, pipeline, task_id, "--conf", conf)["Job"]
+    variables = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert variables["TRAIN_SHARD_MANIFEST"] == "<XCom 'return_value' of task shard, resolved at run time>"
