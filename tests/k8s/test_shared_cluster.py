@@ -318,6 +318,23 @@ def test_the_default_mlflow_store_fails_at_parse_time_too(monkeypatch: pytest.Mo
     operator(checkpoint_uri="s3://ckpt-bucket/p")  # track=None and nothing configured: no MLflow run, fine
 
 
+def test_credentials_in_env_fail_at_parse_time() -> None:
+    """env= values are part of the Job's pod spec: a credential there is readable by anyone who may
+    read Jobs. Refused when the DAG is parsed, naming the variables (never their values) and the way
+    that keeps them out of the spec; the local backend's processes may have them."""
+    env = {"HF_TOKEN": "hf_s3cr3t", "db_password": "pw", "WANDB_API_KEY": "k", "TOKENIZERS_PARALLELISM": "false"}
+    with pytest.raises(InvalidSpecError) as info:
+        operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env=env)
+    message = str(info.value)
+    assert "env: HF_TOKEN, WANDB_API_KEY, db_password would be written into the Job's pod spec" in message, message
+    assert "runtime's env_from_secrets" in message and "hf_s3cr3t" not in message
+    # Templated values are refused by name too: the rendered value would land in the spec all the same.
+    with pytest.raises(InvalidSpecError, match="env: AWS_SECRET_ACCESS_KEY would be written"):
+        operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env={"AWS_SECRET_ACCESS_KEY": "{{ var.value.k }}"})
+    operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env={"TOKENIZERS_PARALLELISM": "false", "EPOCHS": "3"})
+    operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env=env, backend="local", command=["true"], script=None)
+
+
 def test_execution_timeout_becomes_the_jobs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     task = operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, execution_timeout=datetime.timedelta(hours=2))
     assert task.task_backend_options().active_deadline_seconds == 7200

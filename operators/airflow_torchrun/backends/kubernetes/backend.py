@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -85,8 +84,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CONN_ID = "kubernetes_default"
 DEFAULT_NAMESPACE = "default"
 PROGRESS_READ_EVERY = 5.0  # seconds between two reads of the pods' logs for progress records
-
-_SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|PRIVATE_KEY|ACCESS_KEY", re.IGNORECASE)
 
 
 def view_namespaces() -> list[str]:
@@ -258,6 +255,10 @@ class KubernetesBackend(Backend[KubernetesHandle]):
         return get_runtime(runtime, where=where).nproc_per_node
 
     @classmethod
+    def spec_problems(cls, spec: GroupSpec) -> list[str]:
+        return checks.env_problems(spec.env)
+
+    @classmethod
     def task_problems(
         cls,
         *,
@@ -317,7 +318,9 @@ class KubernetesBackend(Backend[KubernetesHandle]):
         runtime = self.runtime_for(spec)
         identity = self.named(identity)
         name = identity.group_id
-        exposed = sorted(k for k in {**extra_env, **spec.env} if _SECRET_NAME.search(k))
+        # The task's env= is refused such names when the DAG is parsed (checks.env_problems); the
+        # contract's own variables never carry credentials: this says so if one ever did.
+        exposed = checks.credential_names({**extra_env, **spec.env})
         if exposed:
             # Plain env values are part of the Job object: anyone who may read Jobs sees them.
             log.warning(

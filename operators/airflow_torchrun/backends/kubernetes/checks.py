@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 
 def local_path(uri: str) -> bool:
@@ -21,6 +22,41 @@ def _credentials_in(uri: str) -> bool:
     from airflow_torchrun.redaction import credentials_in
 
     return bool(credentials_in(uri))
+
+
+# Variables that carry credentials by convention: these names, or names ending in these words. A
+# value given for one in ``env=`` would be written into the Job's pod spec in plain text.
+_CREDENTIAL_NAMES = frozenset({"TOKEN", "PASSWORD", "SECRET", "API_KEY", "APIKEY", "AWS_ACCESS_KEY_ID"})
+_CREDENTIAL_ENDINGS = (
+    "_TOKEN",
+    "_PASSWORD",
+    "_PASSWD",
+    "_SECRET",
+    "_SECRET_KEY",
+    "_ACCESS_KEY",
+    "_API_KEY",
+    "_APIKEY",
+    "_PRIVATE_KEY",
+    "_CREDENTIALS",
+)
+
+
+def credential_names(env: Mapping[str, str]) -> list[str]:
+    """The names in ``env`` that carry credentials by convention (``HF_TOKEN``, ``DB_PASSWORD``;
+    not ``TOKENIZERS_PARALLELISM``: names are matched by their last words)."""
+    return sorted(n for n in env if n.upper() in _CREDENTIAL_NAMES or n.upper().endswith(_CREDENTIAL_ENDINGS))
+
+
+def env_problems(env: Mapping[str, str]) -> list[str]:
+    """``env=`` must not carry credentials into the pod spec."""
+    named = credential_names(env)
+    if not named:
+        return []
+    return [
+        f"env: {', '.join(named)} would be written into the Job's pod spec in plain text (readable by anyone who "
+        "may read Jobs, and by airflow-torchrun render); put credentials in a Kubernetes Secret and have the "
+        "platform name it in the runtime's env_from_secrets (each of its keys becomes a variable of every rank)"
+    ]
 
 
 def task_problems(
