@@ -192,32 +192,18 @@ def _pending_xcom(task_ids: str | Sequence[str] | None = None, key: str = "retur
     return _Pending(f"XCom {key!r} of task {task_ids}")
 
 
-def _without_upstream_outputs(value: Any) -> Any:
-    """``value`` with each upstream output (an ``XComArg``: ``shard.output``, a TaskFlow call) replaced by
-    a placeholder that names it: it exists only once the upstream task has run."""
-    from airflow.sdk.definitions.xcom_arg import XComArg
-
-    if isinstance(value, XComArg):
-        names = ", ".join(f"{key!r} of task {op.task_id}" for op, key in value.iter_references())
-        return str(_Pending(f"XCom {names}"))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_without_upstream_outputs(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _without_upstream_outputs(v) for k, v in value.items()}
-    return value
-
-
 def render_task(args: argparse.Namespace) -> str:
     """The YAML for ``args`` (the ``render`` subcommand's work, without printing)."""
     from airflow_torchrun.backends.kubernetes.backend import KubernetesBackend, deployment_name
     from airflow_torchrun.backends.kubernetes.render import to_yaml
     from airflow_torchrun.backends.kubernetes.runtimes import load_runtimes
     from airflow_torchrun.naming import GroupIdentity
+    from airflow_torchrun.spec import with_placeholders
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
     context = cast("Context", _context(task, args))
-    for field in task.template_fields:
-        setattr(task, field, _without_upstream_outputs(getattr(task, field, None)))
+    for field in task.template_fields:  # no upstream output exists yet: each is shown as a placeholder
+        setattr(task, field, with_placeholders(getattr(task, field, None)))
     try:
         task.render_template_fields(context)
     except Exception as exc:

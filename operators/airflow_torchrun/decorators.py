@@ -33,7 +33,7 @@ from airflow_torchrun.errors import InvalidSpecError
 from airflow_torchrun.naming import function_result_uri
 from airflow_torchrun.operators.training import DistributedTrainingOperator
 from airflow_torchrun.operators.training_contract import TrainingContract, TrainingSettings
-from airflow_torchrun.spec import GroupSpec, is_templated
+from airflow_torchrun.spec import GroupSpec, is_templated, with_placeholders
 
 if TYPE_CHECKING:
     from airflow.sdk.bases.decorator import TaskDecorator
@@ -160,18 +160,6 @@ def json_problems(value: Any, where: str, *, allow_templates: bool) -> list[str]
     return [f"{where} is {type(value).__name__} {text}, which is not JSON-serialisable; {_JSON_HINT}"]
 
 
-def _placeholders(value: Any) -> Any:
-    """Upstream outputs shown as what they are (``airflow-torchrun render`` has no XCom)."""
-    if is_templated(value) and not isinstance(value, str):
-        tasks = ", ".join(sorted({op.task_id for op, _ in value.iter_references()}))
-        return f"<output of {tasks}>"
-    if isinstance(value, list | tuple):
-        return type(value)(_placeholders(v) for v in value)
-    if isinstance(value, Mapping):
-        return {k: _placeholders(v) for k, v in value.items()}
-    return value
-
-
 def _entry_command(backend: object) -> list[str]:
     """torchrun runs it with --no-python: the backend's interpreter (this one locally, the image's
     ``python`` elsewhere; for a templated backend, ``python`` until it is rendered)."""
@@ -272,7 +260,7 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             )
         if shipped is not None and not problems:
             # Upstream outputs are not known yet: counted as their placeholders, checked again at launch.
-            known = _placeholders(self._bound_arguments())
+            known = with_placeholders(self._bound_arguments())
             problems += _size_problems(self._call(shipped, known, result_uri=None))
         return problems
 
@@ -346,12 +334,6 @@ class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):
             function_env=lambda uri, preview: self._function_env(io.context, uri, preview=preview),
             **self.contract_arguments(state),
         )
-
-    def render_template_fields(self, context: Context, jinja_env: Any = None) -> None:
-        if "ti" not in context:  # `airflow-torchrun render`: no upstream output exists yet
-            self.op_args = _placeholders(list(self.op_args))
-            self.op_kwargs = _placeholders(dict(self.op_kwargs))
-        super().render_template_fields(context, jinja_env)
 
 
 class FunctionContract(TrainingContract):

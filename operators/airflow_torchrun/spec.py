@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from airflow_torchrun.backends import DEFAULT_BACKEND, backend_names
 from airflow_torchrun.contract import CONTRACT_ENV
@@ -46,6 +47,19 @@ def is_templated(value: object) -> bool:
     if isinstance(value, str):
         return "{{" in value or "{%" in value
     return callable(getattr(value, "resolve", None)) and callable(getattr(value, "iter_references", None))
+
+
+def with_placeholders(value: Any) -> Any:
+    """``value`` with each upstream output (an ``XComArg``, in lists and dicts too) replaced by text that
+    names it: what ``airflow-torchrun render`` and the parse-time checks see before it exists."""
+    if is_templated(value) and not isinstance(value, str):
+        names = ", ".join(f"{key!r} of task {op.task_id}" for op, key in value.iter_references())
+        return f"<XCom {names}, resolved at run time>"
+    if isinstance(value, list | tuple):
+        return type(value)(with_placeholders(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: with_placeholders(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(frozen=True)

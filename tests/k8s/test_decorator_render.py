@@ -72,7 +72,7 @@ def test_the_pod_template_carries_the_functions_source_and_arguments(rendered):
     call = json.loads(env[CALL_ENV])
     assert call["name"] == "train"
     # The upstream output does not exist at render time; the template is rendered.
-    assert call["kwargs"] == {"lr": "<output of pick_lr>", "epochs": "3"}
+    assert call["kwargs"] == {"lr": "<XCom 'return_value' of task pick_lr, resolved at run time>", "epochs": "3"}
     assert call["result_uri"] == "s3://ckpt/nightly/results/train-try1.json"
     assert env["TRAIN_CHECKPOINT_URI"] == "s3://ckpt/nightly"
     # Readable in review: the source is a literal block of the YAML.
