@@ -144,7 +144,11 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
         resolved = params.validate() if hasattr(params, "validate") else dict(params or {})
     except Exception as exc:  # ParamValidationError, and what a Param's schema raises
         # jsonschema's first paragraph says it; the schema and instance dumps after it do not help.
-        raise CliError(f"--conf does not fit the DAG's params: {str(exc).split(chr(10) * 2, 1)[0]}") from exc
+        reason = str(exc).split("\n\n", 1)[0]
+        raise CliError(
+            f"the run's params (the DAG's, with --conf over them) are invalid: {reason}; "
+            "give the values the Trigger form would with --conf '{\"name\": value}'"
+        ) from exc
     return {
         "dag": task.dag,
         "task": task,

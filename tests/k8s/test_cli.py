@@ -217,8 +217,8 @@ def test_render_shows_upstream_outputs_as_placeholders_and_takes_the_runs_conf(
 @pytest.mark.parametrize(
     ("conf", "message"),
     [
-        ('{"backend": "slurm"}', "--conf does not fit the DAG's params: Invalid input for param backend: 'slurm'"),
-        ('{"num_nodes": 0}', "--conf does not fit the DAG's params: Invalid input for param num_nodes"),
+        ('{"backend": "slurm"}', "are invalid: Invalid input for param backend: 'slurm'"),
+        ('{"num_nodes": 0}', "are invalid: Invalid input for param num_nodes"),
     ],
 )
 def test_render_refuses_a_conf_the_trigger_form_would(conf: str, message: str, capsys) -> None:
@@ -265,3 +265,19 @@ def test_render_shows_the_shipped_pipelines_jobs(monkeypatch, capsys) -> None:
     # Without --conf the pipeline's training runs locally: nothing to render, and render says so.
     assert cli.main(["render", "--dag-file", str(pipeline), "--task-id", "train"]) == 1
     assert "uses backend='local'" in capsys.readouterr().err
+
+
+def test_a_param_without_default_is_asked_for(tmp_path: Path, capsys) -> None:
+    """As the Trigger form does: a param with no default needs a value (``--conf``)."""
+    path = tmp_path / "needs.py"
+    path.write_text(
+        DAG.replace('params={"epochs": 3}', 'params={"epochs": Param(type="integer", minimum=1)}').replace(
+            "from airflow.sdk import DAG", "from airflow.sdk import DAG, Param"
+        )
+    )
+    args = ["render", "--dag-file", str(path), "--task-id", "train"]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "are invalid: Invalid input for param epochs" in err and "--conf" in err, err
+    assert cli.main([*args, "--conf", '{"epochs": 4}']) == 0
+    assert _trainer(capsys.readouterr().out)["command"][-2:] == ["--epochs", "4"]
