@@ -315,6 +315,68 @@ def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group
     assert group_pids(handle.group_id) == []
 
 
+def test_a_rank_saying_address_already_in_use_is_no_port_race(tmp_path):
+    """The port race is read from the agent's words (torchrun has no other report of it), and a
+    rank's words share that log and, through its error file, the agent's: a rank whose own server
+    found its port taken was taken for a lost rendezvous race and relaunched up to three times. It
+    is its own failure: no relaunch, and the group fails with the rank's exit code."""
+    script = tmp_path / "port_taken.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise OSError(98, 'Address already in use: my metrics server on :9100 (EADDRINUSE)')\n"
+    )
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    try:
+        status = _terminal(backend, handle, what="the group to end")
+    finally:
+        backend.teardown(handle)
+    logs = "".join(Path(p).read_text() for p in backend.log_locations(handle))
+    assert "Address already in use" in logs, logs[-2000:]
+    assert status.state is Outcome.FAILED, status
+    assert backend.relaunch_reason(handle, status) is None
+    # Node 0's own log says it too (as a rank of node 0 would): still no port race once a rank ran.
+    node0 = Path(handle.group_dir) / "node-0"
+    with open(node0 / "node.log", "a") as log:
+        log.write("OSError: [Errno 98] Address already in use\n")
+    assert backend.relaunch_reason(handle, status) is None
+
+
+def test_a_lost_rendezvous_port_is_a_port_race_before_any_rank_ran(tmp_path):
+    """What the agent says when another process took node 0's rendezvous port before it bound it
+    (no rank has started yet): a relaunch, on a new port. Files as the supervisor and torchrun leave
+    them."""
+    from airflow_torchrun.backends.base import RelaunchKind
+    from airflow_torchrun.backends.handles import LocalHandle
+
+    group_dir = tmp_path / "g"
+    node0 = group_dir / "node-0"
+    node0.mkdir(parents=True)
+    (node0 / "node.log").write_text(
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+        "address. port: 41234, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"
+    )
+    handle = LocalHandle(
+        group_id="g",
+        num_nodes=2,
+        world_size=2,
+        launched_at=0.0,
+        startup_timeout=60.0,
+        teardown_grace=3.0,
+        group_dir=str(group_dir),
+        master_port=41234,
+    )
+    backend = LocalBackend(tmp_path / "state")
+    status = group_status([], launched_at=0.0, now=1.0, startup_timeout=60.0)
+    relaunch = backend.relaunch_reason(handle, status)
+    assert relaunch is not None and relaunch.kind is RelaunchKind.PORT_RACE
+    assert "rendezvous port 41234 was taken by another process" in relaunch.why
+    (node0 / "workers.json").write_text(json.dumps({"workers": [{"pid": 7, "rank": 0, "exit_code": 1}]}))
+    assert backend.relaunch_reason(handle, status) is None, "a rank ran: the words may be its own"
+
+
 REAPING_PARENT = textwrap.dedent(
     """
     import subprocess, sys, time

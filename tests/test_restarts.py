@@ -43,8 +43,14 @@ def test_a_killed_rank_is_restarted_inside_the_try_bit_identical(run_dag, uninte
     assert re.search(r"resuming from file://\S+/step-0*20 \(step 20\)", result.log), "the restart did not resume"
     assert _digest(result.log) == uninterrupted
     launches = result.xcom("train", key="launches")
-    assert launches["restarts"] == 1 and [h["kind"] for h in launches["history"]] == ["restart"]
-    assert launches["history"][0]["group_id"] != result.xcom("train", key="group")["group_id"]
+    # A lost race for a rendezvous port (another process took it between our pick and the agent's
+    # bind: seen in CI, two test workers launching groups) is relaunched apart from the restarts,
+    # without spending one; it may come before the restart, never instead of it.
+    restarts = [h for h in launches["history"] if h["kind"] != "port_race"]
+    assert launches["restarts"] == 1 and [h["kind"] for h in restarts] == ["restart"], launches
+    assert restarts[0]["group_id"] != result.xcom("train", key="group")["group_id"]
+    races = [h for h in launches["history"] if h["kind"] == "port_race"]
+    assert launches["port_races"] == len(races) and all("rendezvous port" in h["why"] for h in races), launches
     _all_gone(result)
 
 

@@ -417,8 +417,13 @@ class LocalBackend(Backend[LocalHandle]):
     def relaunch_reason(self, handle: LocalHandle, status: GroupStatus) -> Relaunch | None:
         """Node 0 lost the race for the rendezvous port: :func:`free_port` found it free, then
         another process bound it before node 0's agent did. torchrun reports it only in words
-        (its agent error file, else the node's log), so this is where those words are read."""
+        (its agent error file, else the node's log), so this is where those words are read, and
+        only while no rank of node 0 has run: the agent binds the port before it starts any, and
+        once one ran, its output is in that log and its error in that file (a rank that printed
+        "Address already in use" was relaunched as a port race, up to three times)."""
         node0 = Path(handle.group_dir) / "node-0"
+        if (_read_json(node0 / WORKERS_FILE) or {}).get("workers"):
+            return None
         said = _read_text(node0 / "agent-error.json") or _read_text(node0 / "node.log")
         if "EADDRINUSE" in said or "Address already in use" in said:
             return Relaunch(
