@@ -317,13 +317,14 @@ def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group
 
 def test_a_rank_saying_address_already_in_use_is_no_port_race(tmp_path):
     """The port race is read from the agent's words (torchrun has no other report of it), and a
-    rank's words share that log and, through its error file, the agent's: a rank whose own server
-    found its port taken was taken for a lost rendezvous race and relaunched up to three times. It
-    is its own failure: no relaunch, and the group fails with the rank's exit code."""
+    rank's words share node 0's log and, through its error file, the agent's: a rank of node 0 whose
+    own server found its port taken was taken for a lost rendezvous race and relaunched up to three
+    times. It is its own failure: no relaunch, and the node fails with the rank's exit code."""
     script = tmp_path / "port_taken.py"
     script.write_text(
         "import os, sys\n"
-        "if os.environ['RANK'] == '1':\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    print('my metrics server: [Errno 98] Address already in use (EADDRINUSE)', flush=True)\n"
         "    raise OSError(98, 'Address already in use: my metrics server on :9100 (EADDRINUSE)')\n"
     )
     backend = LocalBackend(tmp_path / "state")
@@ -333,14 +334,15 @@ def test_a_rank_saying_address_already_in_use_is_no_port_race(tmp_path):
         status = _terminal(backend, handle, what="the group to end")
     finally:
         backend.teardown(handle)
-    logs = "".join(Path(p).read_text() for p in backend.log_locations(handle))
-    assert "Address already in use" in logs, logs[-2000:]
-    assert status.state is Outcome.FAILED, status
-    assert backend.relaunch_reason(handle, status) is None
-    # Node 0's own log says it too (as a rank of node 0 would): still no port race once a rank ran.
     node0 = Path(handle.group_dir) / "node-0"
-    with open(node0 / "node.log", "a") as log:
-        log.write("OSError: [Errno 98] Address already in use\n")
+    said = (node0 / "node.log").read_text() + (
+        (node0 / "agent-error.json").read_text() if (node0 / "agent-error.json").exists() else ""
+    )
+    assert "Address already in use" in said, said[-2000:]
+    assert status.state is Outcome.FAILED, status
+    assert "local rank 0 exited with code 1" in (status.nodes[0].reason or ""), status
+    workers = json.loads((node0 / "workers.json").read_text())["workers"]
+    assert [(w["rank"], w["exit_code"]) for w in workers] == [(0, 1)], workers
     assert backend.relaunch_reason(handle, status) is None
 
 
@@ -373,8 +375,14 @@ def test_a_lost_rendezvous_port_is_a_port_race_before_any_rank_ran(tmp_path):
     relaunch = backend.relaunch_reason(handle, status)
     assert relaunch is not None and relaunch.kind is RelaunchKind.PORT_RACE
     assert "rendezvous port 41234 was taken by another process" in relaunch.why
+    # A rank started (torchrun made its attempt folder), or one ended (the supervisor listed it):
+    # the words may be its own.
+    (node0 / "torchrun" / "g_x1" / "attempt_0").mkdir(parents=True)
+    assert backend.relaunch_reason(handle, status) is None
+    (node0 / "torchrun" / "g_x1" / "attempt_0").rmdir()
+    assert backend.relaunch_reason(handle, status) is not None
     (node0 / "workers.json").write_text(json.dumps({"workers": [{"pid": 7, "rank": 0, "exit_code": 1}]}))
-    assert backend.relaunch_reason(handle, status) is None, "a rank ran: the words may be its own"
+    assert backend.relaunch_reason(handle, status) is None
 
 
 REAPING_PARENT = textwrap.dedent(

@@ -125,6 +125,11 @@ def _load_task(dag_file: Path, dag_id: str | None, task_id: str) -> GroupOperato
     task = dag.get_task(task_id)
     from airflow_torchrun.operators.group import GroupOperator
 
+    if type(task).__name__ == "MappedOperator":
+        raise CliError(
+            f"task {dag.dag_id}.{task_id} is mapped (.expand()): its arguments exist only once the run has "
+            "expanded it, so render cannot show its objects; render an unmapped task with the same arguments"
+        )
     if not isinstance(task, GroupOperator):
         raise CliError(
             f"task {dag.dag_id}.{task_id} is a {type(task).__name__}, not an operator that runs a torchrun group "
@@ -137,7 +142,7 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
     logical = datetime.fromisoformat(args.logical_date) if args.logical_date else datetime.now(tz=UTC)
     if logical.tzinfo is None:
         logical = logical.replace(tzinfo=UTC)
-    params = copy.deepcopy(task.dag.params)
+    params = copy.deepcopy(task.params)  # the DAG's, with the task's own over them
     try:
         for key, value in args.conf.items():
             params[key] = value  # a DAG param checks the value it is given
@@ -162,37 +167,62 @@ def _context(task: Any, args: argparse.Namespace) -> dict[str, Any]:
         "params": resolved,
         "try_number": args.try_number,
         "map_index": args.map_index,
-        "ti": SimpleNamespace(
-            dag_id=task.dag_id,
-            task_id=task.task_id,
-            run_id=args.run_id,
-            try_number=args.try_number,
-            map_index=args.map_index,
-            xcom_pull=_pending_xcom,
-        ),
     }
 
 
-class _Pending:
-    """What an upstream task will have pushed: a placeholder that keeps track of how a template
-    reads it (``ti.xcom_pull(task_ids='train')['final_checkpoint']``) and renders as that."""
+def _for_templates(context: dict[str, Any]) -> dict[str, Any]:
+    """``context`` plus a task instance for templates alone, whose ``xcom_pull`` gives placeholders.
+    The operator's own preview gets ``context`` without it: no task instance means "no run", and
+    nothing is created for one (the deployment's Variable, say)."""
+    ti = SimpleNamespace(
+        dag_id=context["dag"].dag_id,
+        task_id=context["task"].task_id,
+        run_id=context["run_id"],
+        try_number=context["try_number"],
+        map_index=context["map_index"],
+        xcom_pull=_pending_xcom,
+    )
+    return {**context, "ti": ti, "task_instance": ti}
 
-    def __init__(self, what: str) -> None:
-        self._what = what
+
+class _Pending(str):
+    """What an upstream task will have pushed, as text that names it
+    (``<XCom 'return_value' of task train['final_checkpoint'], resolved at run time>``). A template
+    may read into it (``[key]``, ``.attr``, ``.get(key)``), iterate it (one element) or filter it
+    (``join``, ``length``, ``tojson``): each gives a placeholder, never an error or a hang."""
+
+    what: str
+
+    def __new__(cls, what: str) -> _Pending:
+        pending = super().__new__(cls, f"<{what}, resolved at run time>")
+        pending.what = what
+        return pending
 
     def __getitem__(self, key: object) -> _Pending:
-        return _Pending(f"{self._what}[{key!r}]")
+        return _Pending(f"{self.what}[{key!r}]")
 
     def __getattr__(self, name: str) -> _Pending:
-        if name.startswith("_"):
+        # Names Jinja's sandbox probes (``unsafe_callable``, ``alters_data``) and dunders are absent.
+        if name.startswith("_") or name in ("unsafe_callable", "alters_data", "jinja_pass_arg"):
             raise AttributeError(name)
-        return _Pending(f"{self._what}.{name}")
+        return _Pending(f"{self.what}.{name}")
 
-    def __str__(self) -> str:
-        return f"<{self._what}, resolved at run time>"
+    def __call__(self, *args: object, **kwargs: object) -> _Pending:
+        given = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+        return _Pending(f"{self.what}({', '.join(given)})")
+
+    def __iter__(self) -> Iterator[str]:
+        yield _Pending(f"an element of {self.what}")
 
 
-def _pending_xcom(task_ids: str | Sequence[str] | None = None, key: str = "return_value", **_: Any) -> _Pending:
+def _pending_xcom(
+    task_ids: str | Sequence[str] | None = None,
+    dag_id: str | None = None,
+    key: str = "return_value",
+    include_prior_dates: bool = False,
+    **_: Any,
+) -> _Pending:
+    """``ti.xcom_pull`` as Airflow 3's task instance takes it, giving a placeholder."""
     return _Pending(f"XCom {key!r} of task {task_ids}")
 
 
@@ -205,11 +235,12 @@ def render_task(args: argparse.Namespace) -> str:
     from airflow_torchrun.spec import with_placeholders
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
-    context = cast("Context", _context(task, args))
+    plain = _context(task, args)
+    context = cast("Context", plain)
     for field in task.template_fields:  # no upstream output exists yet: each is shown as a placeholder
         setattr(task, field, with_placeholders(getattr(task, field, None)))
     try:
-        task.render_template_fields(context)
+        task.render_template_fields(cast("Context", _for_templates(plain)))
     except Exception as exc:
         raise CliError(
             f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "

@@ -222,7 +222,7 @@ def validate_task(
         spec = make_spec()
     except InvalidSpecError as exc:
         problems += exc.problems
-    if spec is not None and not is_templated(spec.backend) and not is_templated(spec.script):
+    if spec is not None and not is_templated(spec.backend):
         problems += backend_class(spec.backend).spec_problems(spec)
     problems += run_problems(run)
     if checkpoint is not None:

@@ -556,8 +556,8 @@ def test_credentials_in_plain_env_are_flagged(backend: KubernetesBackend, caplog
     a contract variable that ever carried one is named in the log, its value never."""
     spec = make_spec(env={"EPOCHS": "3", "TOKENIZERS_PARALLELISM": "false"})
     with caplog.at_level("WARNING", logger="airflow_torchrun.backends.kubernetes.backend"):
-        backend.plan(spec, IDENTITY, {"AWS_SECRET_ACCESS_KEY": "t0ps3cret", "WANDB_API_TOKEN": "t0ps3cret"})
-    assert "AWS_SECRET_ACCESS_KEY, WANDB_API_TOKEN look like credentials" in caplog.text
+        backend.plan(spec, IDENTITY, {"AWS_SECRET_ACCESS_KEY": "t0ps3cret", "WANDB_API_KEY": "t0ps3cret"})
+    assert "AWS_SECRET_ACCESS_KEY, WANDB_API_KEY look like credentials" in caplog.text
     assert "t0ps3cret" not in caplog.text and "TOKENIZERS_PARALLELISM" not in caplog.text
 
 

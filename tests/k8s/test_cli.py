@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,72 @@ def test_a_param_without_default_is_asked_for(tmp_path: Path, capsys) -> None:
     assert "are invalid: Invalid input for param epochs" in err and "--conf" in err, err
     assert cli.main([*args, "--conf", '{"epochs": 4}']) == 0
     assert _trainer(capsys.readouterr().out)["command"][-2:] == ["--epochs", "4"]
+
+
+LOOPS = textwrap.dedent(
+    """
+    import pendulum
+    from airflow.sdk import DAG, task
+    from airflow_torchrun import DistributedTrainingOperator
+
+    with DAG("loops", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False, params={"y": 2}):
+        @task
+        def files():
+            return ["s3://d/a", "s3://d/b"]
+
+        f = files()
+        t = DistributedTrainingOperator(
+            task_id="train", backend="kubernetes", runtime="cpu", script="/opt/trainer/train.py",
+            script_args=[
+                "--files", "{{ ti.xcom_pull(task_ids='files') | join(',') }}",
+                "--each", "{% for x in task_instance.xcom_pull('files') %}{{ x }}{% endfor %}",
+                "--get", "{{ ti.xcom_pull(task_ids='files', key='meta').get('k') }}",
+                "--json", "{{ ti.xcom_pull(task_ids='files') | tojson }}",
+                "--x", "{{ params.x }}", "--y", "{{ params.y }}",
+            ],
+            params={"x": 1},
+            checkpoint_uri="s3://ckpt-bucket/p", track=False,
+        )
+        f >> t
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_render_templates_that_loop_over_or_read_into_an_upstream_output(tmp_path: Path, capsys) -> None:
+    """``join``, ``for``, ``.get()`` and ``tojson`` over ``ti.xcom_pull(...)`` (``join`` iterated the
+    placeholder forever, ``.get`` was "not safely callable"); ``task_instance`` is ``ti``; the
+    task's own ``params`` are seen; and the preview creates nothing (no deployment Variable)."""
+    path = tmp_path / "loops.py"
+    path.write_text(LOOPS)
+    assert cli.main(["render", "--dag-file", str(path), "--task-id", "train"]) == 0
+    captured = capsys.readouterr()
+    args = _trainer(captured.out)["command"]
+    values = dict(zip(args[-12::2], args[-11::2], strict=True))
+    element = "<an element of XCom 'return_value' of task files, resolved at run time>"
+    assert values["--files"] == values["--each"] == element, values
+    assert values["--get"] == "<XCom 'meta' of task files.get('k'), resolved at run time>", values
+    assert "resolved at run time" in json.loads(values["--json"]), values
+    assert (values["--x"], values["--y"]) == ("1", "2"), values
+    assert "Variable" not in captured.err, captured.err
+
+
+def test_render_says_a_mapped_task_cannot_be_rendered(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "mapped.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import pendulum
+            from airflow.sdk import DAG
+            from airflow_torchrun import DistributedTrainingOperator
+
+            with DAG("mapped", schedule=None, start_date=pendulum.datetime(2026, 1, 1), catchup=False):
+                DistributedTrainingOperator.partial(
+                    task_id="sweep", backend="kubernetes", runtime="cpu", script="/opt/trainer/train.py",
+                    checkpoint_uri="s3://ckpt/sweep", track=False,
+                ).expand(script_args=[["--lr", "0.1"], ["--lr", "0.2"]])
+            """
+        )
+    )
+    assert cli.main(["render", "--dag-file", str(path), "--task-id", "sweep"]) == 1
+    assert "task mapped.sweep is mapped (.expand())" in capsys.readouterr().err

@@ -331,8 +331,32 @@ def test_credentials_in_env_fail_at_parse_time() -> None:
     # Templated values are refused by name too: the rendered value would land in the spec all the same.
     with pytest.raises(InvalidSpecError, match="env: AWS_SECRET_ACCESS_KEY would be written"):
         operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env={"AWS_SECRET_ACCESS_KEY": "{{ var.value.k }}"})
-    operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env={"TOKENIZERS_PARALLELISM": "false", "EPOCHS": "3"})
+    # Settings whose names share the words are not refused.
+    settings = {
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/var/run/secrets/gcp/key.json",
+        "EPOCHS": "3",
+    }
+    operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env=settings)
     operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, env=env, backend="local", command=["true"], script=None)
+    # With a templated script (checked once rendered), the env is checked at parse time all the same.
+    with pytest.raises(InvalidSpecError, match="env: HF_TOKEN would be written"):
+        operator(checkpoint_uri="s3://ckpt-bucket/p", track=False, script="{{ params.d }}/t.py", env={"HF_TOKEN": "x"})
+
+
+def test_a_value_airflow_knows_as_secret_is_refused_whatever_its_name() -> None:
+    """Once rendered: a connection's password, a sensitive Variable, anything the task masked, is
+    held by Airflow's secrets masker; such a value under any name would reach the pod spec."""
+    from airflow.sdk.log import mask_secret
+
+    from airflow_torchrun.backends.kubernetes.checks import env_problems
+
+    mask_secret("pw-from-a-connection-3f9a")
+    problems = env_problems({"DB_URL": "postgres://ml:pw-from-a-connection-3f9a@db/ml", "EPOCHS": "3"})
+    assert len(problems) == 1 and problems[0].startswith("env: DB_URL would be written"), problems
+    assert "pw-from-a-connection" not in problems[0]
+    assert env_problems({"DB_URL": "postgres://db/ml", "EPOCHS": "3"}) == []
 
 
 def test_execution_timeout_becomes_the_jobs_deadline(monkeypatch: pytest.MonkeyPatch) -> None:

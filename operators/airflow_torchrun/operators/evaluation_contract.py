@@ -104,7 +104,7 @@ class EvaluationContract:
         from airflow_torchrun.operators.training_contract import checkpoint_base
         from airflow_torchrun.storage.uri import is_within
 
-        area = join(checkpoint_base(), segment(self.dag_id), segment(str(self.io.ti.run_id)))
+        area = join(checkpoint_base(), segment(self.dag_id), segment(str(self.io.context["run_id"])))
         try:
             return is_within(self.checkpoint, area)
         except Exception:  # not a URI this store understands: not in the area
@@ -117,9 +117,9 @@ class EvaluationContract:
         """Beside the checkpoint, one file per try (deterministic: a deferred re-entry finds it)."""
         from airflow_torchrun.naming import eval_metrics_uri
 
-        ti = self.io.ti
-        index = ti.map_index if isinstance(ti.map_index, int) else -1
-        return eval_metrics_uri(root or self._checkpoint_root(), ti.task_id, index, ti.try_number)
+        io = self.io  # from the context alone: ``airflow-torchrun render`` previews without a task instance
+        task_id = str(io.context["task"].task_id)
+        return eval_metrics_uri(root or self._checkpoint_root(), task_id, io.map_index, io.try_number)
 
     def finish(self, handle: GroupHandle, verdict: Verdict, spec: GroupSpec) -> dict[str, float]:
         io = self.io

@@ -25,31 +25,54 @@ def _credentials_in(uri: str) -> bool:
 
 
 # Variables that carry credentials by convention: these names, or names ending in these words. A
-# value given for one in ``env=`` would be written into the Job's pod spec in plain text.
-_CREDENTIAL_NAMES = frozenset({"TOKEN", "PASSWORD", "SECRET", "API_KEY", "APIKEY", "AWS_ACCESS_KEY_ID"})
-_CREDENTIAL_ENDINGS = (
-    "_TOKEN",
-    "_PASSWORD",
-    "_PASSWD",
-    "_SECRET",
-    "_SECRET_KEY",
-    "_ACCESS_KEY",
-    "_API_KEY",
-    "_APIKEY",
-    "_PRIVATE_KEY",
-    "_CREDENTIALS",
+# value given for one in ``env=`` would be written into the Job's pod spec in plain text. Words
+# that also name settings (``HF_HUB_DISABLE_IMPLICIT_TOKEN``, ``PAD_TOKEN``,
+# ``GOOGLE_APPLICATION_CREDENTIALS``, a path) are not among them: a value Airflow itself knows as
+# a secret is refused whatever its name (:func:`secret_values`).
+_CREDENTIAL_WORDS = (
+    "PASSWORD",
+    "PASSWD",
+    "SECRET",
+    "SECRET_KEY",
+    "SECRET_ACCESS_KEY",
+    "API_KEY",
+    "APIKEY",
+    "PRIVATE_KEY",
+    "ACCESS_TOKEN",
+    "AUTH_TOKEN",
+    "SESSION_TOKEN",
+    "TOKEN",
 )
+_CREDENTIAL_NAMES = frozenset(
+    {"AWS_ACCESS_KEY_ID", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "GH_TOKEN", "GITHUB_TOKEN", "DATABRICKS_TOKEN"}
+)
+_CREDENTIAL_ENDINGS = tuple(f"_{word}" for word in _CREDENTIAL_WORDS if word != "TOKEN")
 
 
 def credential_names(env: Mapping[str, str]) -> list[str]:
-    """The names in ``env`` that carry credentials by convention (``HF_TOKEN``, ``DB_PASSWORD``;
-    not ``TOKENIZERS_PARALLELISM``: names are matched by their last words)."""
-    return sorted(n for n in env if n.upper() in _CREDENTIAL_NAMES or n.upper().endswith(_CREDENTIAL_ENDINGS))
+    """The names in ``env`` that carry credentials by convention (``HF_TOKEN``, ``DB_PASSWORD``,
+    ``OPENAI_API_KEY``; not ``TOKENIZERS_PARALLELISM``: names are matched by their last words)."""
+    return sorted(
+        n
+        for n in env
+        if n.upper() in _CREDENTIAL_NAMES or n.upper() in _CREDENTIAL_WORDS or n.upper().endswith(_CREDENTIAL_ENDINGS)
+    )
+
+
+def secret_values(env: Mapping[str, str]) -> list[str]:
+    """The names in ``env`` whose value Airflow's secrets masker holds: a connection's password or
+    extra, a Variable of a sensitive name, what a task masked. Known only once the values are
+    rendered, in the task's process (at parse time it holds nothing)."""
+    try:
+        from airflow.sdk.log import redact
+    except ImportError:  # pragma: no cover - an Airflow without the task SDK's masker
+        return []
+    return sorted(n for n, v in env.items() if isinstance(v, str) and v and redact(v) != v)
 
 
 def env_problems(env: Mapping[str, str]) -> list[str]:
     """``env=`` must not carry credentials into the pod spec."""
-    named = credential_names(env)
+    named = sorted({*credential_names(env), *secret_values(env)})
     if not named:
         return []
     return [

@@ -47,7 +47,7 @@ from airflow_torchrun.backends.local.supervisor import RANK_FAILED_FILE, WORKERS
 from airflow_torchrun.contract.launch import GATE_FILE
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.naming import GroupIdentity
-from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec
+from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec, is_templated
 from airflow_torchrun.state import state_dir as default_state_dir
 from airflow_torchrun.status import GroupStatus, NodeObservation, NodePhase, ProgressMark
 from airflow_torchrun.wiring import GroupPlan, holds_at_gate, plan
@@ -154,7 +154,7 @@ class LocalBackend(Backend[LocalHandle]):
                 f"local backend starts every rank on the Airflow worker's machine (at most {LOCAL_MAX_RANKS}); lower "
                 "them, or run the group on a cluster with backend='kubernetes'"
             )
-        if spec.script and not Path(spec.script).is_file():
+        if spec.script and not is_templated(spec.script) and not Path(spec.script).is_file():
             problems.append(
                 f"script {spec.script!r} does not exist (resolved to {Path(spec.script).resolve()}); "
                 "give an absolute path, or one relative to the DAG file's folder or the worker's current directory"
@@ -418,11 +418,13 @@ class LocalBackend(Backend[LocalHandle]):
         """Node 0 lost the race for the rendezvous port: :func:`free_port` found it free, then
         another process bound it before node 0's agent did. torchrun reports it only in words
         (its agent error file, else the node's log), so this is where those words are read, and
-        only while no rank of node 0 has run: the agent binds the port before it starts any, and
+        only while node 0 has started no rank: the agent binds the port before it starts any, and
         once one ran, its output is in that log and its error in that file (a rank that printed
-        "Address already in use" was relaunched as a port race, up to three times)."""
+        "Address already in use" was relaunched as a port race, up to three times). A started
+        rank shows twice: torchrun makes its ``attempt_*`` folder as it starts the ranks, and the
+        supervisor lists each rank that ended in ``workers.json``."""
         node0 = Path(handle.group_dir) / "node-0"
-        if (_read_json(node0 / WORKERS_FILE) or {}).get("workers"):
+        if any((node0 / "torchrun").glob("*/attempt_*")) or (_read_json(node0 / WORKERS_FILE) or {}).get("workers"):
             return None
         said = _read_text(node0 / "agent-error.json") or _read_text(node0 / "node.log")
         if "EADDRINUSE" in said or "Address already in use" in said:
