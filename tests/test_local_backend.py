@@ -293,6 +293,17 @@ PRINTS_THE_AGENTS_PHRASE = textwrap.dedent(
 )
 
 
+def _run_to_its_end(tmp_path, script):
+    """A two-node group of ``script``, watched to its end and torn down."""
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    try:
+        return backend, handle, _terminal(backend, handle, what="the group to end")
+    finally:
+        backend.teardown(handle)
+
+
 def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group(tmp_path):
     """Finding 8 of the trust review: the node's supervisor marked its node failed when the phrase
     torchrun's agent logs for a dead worker appeared anywhere in the node's log, and rank output
@@ -300,13 +311,7 @@ def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group
     ranks' exit statuses and error files, and its agent's."""
     script = tmp_path / "prints_phrase.py"
     script.write_text(PRINTS_THE_AGENTS_PHRASE)
-    backend = LocalBackend(tmp_path / "state")
-    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
-    try:
-        status = _terminal(backend, handle, what="the group to end")
-    finally:
-        backend.teardown(handle)
+    backend, handle, status = _run_to_its_end(tmp_path, script)
     logs = "".join(Path(p).read_text() for p in backend.log_locations(handle))
     assert logs.count("failed (exitcode: -9)") >= 60 and logs.count("done") == 2, logs[-2000:]
     assert status.state is Outcome.SUCCEEDED, status
@@ -327,13 +332,7 @@ def test_a_rank_saying_address_already_in_use_is_no_port_race(tmp_path):
         "    print('my metrics server: [Errno 98] Address already in use (EADDRINUSE)', flush=True)\n"
         "    raise OSError(98, 'Address already in use: my metrics server on :9100 (EADDRINUSE)')\n"
     )
-    backend = LocalBackend(tmp_path / "state")
-    spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
-    try:
-        status = _terminal(backend, handle, what="the group to end")
-    finally:
-        backend.teardown(handle)
+    backend, handle, status = _run_to_its_end(tmp_path, script)
     node0 = Path(handle.group_dir) / "node-0"
     said = (node0 / "node.log").read_text() + (
         (node0 / "agent-error.json").read_text() if (node0 / "agent-error.json").exists() else ""
