@@ -316,12 +316,12 @@ if dist.get_rank() == 1:
     try:
         dist.all_gather_object([None, None], Payload(), group=comm.group)
     except Exception as exc:
-        print("rank 1:", type(exc).__name__, exc, flush=True)
+        print(f"rank 1: {type(exc).__name__} {exc}", flush=True)  # one write: the ranks share stdout
 else:
     try:
-        print("rank 0 got", comm.all_gather({"problems": []}), flush=True)
+        print(f"rank 0 got {comm.all_gather({'problems': []})}", flush=True)
     except RuntimeError as exc:
-        print("rank 0 refused:", exc, flush=True)
+        print(f"rank 0 refused: {exc}", flush=True)
 dist.destroy_process_group()
 """
 
