@@ -194,7 +194,9 @@ class _Pending(str):
     what: str
 
     def __new__(cls, what: str) -> _Pending:
-        pending = super().__new__(cls, f"<{what}, resolved at run time>")
+        from airflow_torchrun.spec import placeholder
+
+        pending = super().__new__(cls, placeholder(what))
         pending.what = what
         return pending
 
@@ -235,12 +237,11 @@ def render_task(args: argparse.Namespace) -> str:
     from airflow_torchrun.spec import with_placeholders
 
     task = _load_task(args.dag_file, args.dag_id, args.task_id)
-    plain = _context(task, args)
-    context = cast("Context", plain)
+    context = _context(task, args)
     for field in task.template_fields:  # no upstream output exists yet: each is shown as a placeholder
         setattr(task, field, with_placeholders(getattr(task, field, None)))
     try:
-        task.render_template_fields(cast("Context", _for_templates(plain)))
+        task.render_template_fields(cast("Context", _for_templates(context)))
     except Exception as exc:
         raise CliError(
             f"rendering the templated fields of {task.dag_id}.{task.task_id} failed: {exc}. `render` only offers "
@@ -262,7 +263,7 @@ def render_task(args: argparse.Namespace) -> str:
         active_deadline_seconds=task.task_backend_options().active_deadline_seconds,
     )
     try:
-        extra_env = dict(task.contract_env_preview(context))
+        extra_env = dict(task.contract_env_preview(cast("Context", context)))
     except Exception as exc:
         raise CliError(f"the operator's contract_env_preview failed: {exc}") from exc
     identity = GroupIdentity(

@@ -49,12 +49,17 @@ def is_templated(value: object) -> bool:
     return callable(getattr(value, "resolve", None)) and callable(getattr(value, "iter_references", None))
 
 
+def placeholder(what: str) -> str:
+    """The text that stands for ``what`` until a run makes it (an upstream output, say)."""
+    return f"<{what}, resolved at run time>"
+
+
 def with_placeholders(value: Any) -> Any:
     """``value`` with each upstream output (an ``XComArg``, in lists and dicts too) replaced by text that
     names it: what ``airflow-torchrun render`` and the parse-time checks see before it exists."""
     if is_templated(value) and not isinstance(value, str):
         names = ", ".join(f"{key!r} of task {op.task_id}" for op, key in value.iter_references())
-        return f"<XCom {names}, resolved at run time>"
+        return placeholder(f"XCom {names}")
     if isinstance(value, list | tuple):
         return type(value)(with_placeholders(v) for v in value)
     if isinstance(value, Mapping):
