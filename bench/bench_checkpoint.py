@@ -417,9 +417,11 @@ def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, floa
     env.update(extra_env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["BENCH_TRAINER_RUN"] = tag = uuid.uuid4().hex
+    logs = tempfile.mkdtemp(prefix="torchrun-logs-")  # without --log-dir torchrun leaves one in /tmp
     try:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAINER), *args],
+            [*launcher, f"--log-dir={logs}", str(TRAINER), *args],
             env=env,
             capture_output=True,
             text=True,
@@ -430,6 +432,7 @@ def run_trainer(extra_env: dict[str, str], args: list[str]) -> tuple[float, floa
         raise RuntimeError(f"trainer {' '.join(args)} still running after {TRAINER_TIMEOUT_S:.0f} s (hung)") from exc
     finally:
         kill_run(tag)
+        shutil.rmtree(logs, ignore_errors=True)
     match = FINAL.search(proc.stdout)
     if proc.returncode != 0 or not match:
         raise RuntimeError(f"trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -21,8 +21,10 @@ Run: ``.venv/bin/python bench/bench_cluster.py [--repeats 3] [--json rows.json]`
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -47,6 +49,7 @@ from cluster.layout import NAMESPACE, state  # noqa: E402
 from cluster.up import airflow_env, home_env  # noqa: E402
 
 WORK = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # its Airflow home, state and logs
 DEPLOYMENT = f"bench-{os.getpid()}"
 TRAINER = "/opt/trainer/train.py"
 KILL_STEP = 40

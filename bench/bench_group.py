@@ -23,9 +23,11 @@ Run: ``.venv/bin/python bench/bench_group.py [--repeats 3] [--max-pairs 12] [--s
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -44,6 +46,7 @@ from stats import RepeatRule, mean_interval
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "job.py"
 WORK = Path(tempfile.mkdtemp(prefix="bench-group-"))
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)  # its Airflow home, state and logs
 os.environ.update(
     {
         "AIRFLOW_HOME": str(WORK / "airflow"),
@@ -107,6 +110,7 @@ def bare_torchrun(layout: Layout, steps: int, tag: str) -> tuple[float, float, d
                 f"--master-port={port}",
                 "--max-restarts=0",
                 "--monitor-interval=0.1",
+                f"--log-dir={WORK / 'torchrun-logs' / tag}",
                 str(JOB),
             ],
             env=env,

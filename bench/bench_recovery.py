@@ -161,6 +161,7 @@ def torchrun_run(tag: str, hang_s: float, share: bool) -> Outcome:
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={tag}",
         "--max-restarts=3",
+        f"--log-dir={WORK / 'runs' / tag / 'torchrun-logs'}",
         str(JOB),
     ]
     started, reason = watched([argv, argv], env, hang_s, WORK / "runs" / tag / "launcher.log")

@@ -47,8 +47,10 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _torchrun_cmd(args: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *(args or ARGS)]
+def _torchrun_cmd(folder: Path, args: list[str] | None = None) -> list[str]:
+    """Bare torchrun; its logs in ``folder`` (without --log-dir it leaves a folder in /tmp each run)."""
+    logs = f"--log-dir={folder / 'torchrun-logs'}"
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", logs, *(args or ARGS)]
 
 
 def _final(out: str) -> tuple[int, str]:
@@ -64,7 +66,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
 
     def run(folder: Path) -> list[object]:
         done = subprocess.run(
-            _torchrun_cmd(),
+            _torchrun_cmd(folder),
             env=_env({"TRAIN_CHECKPOINT_URI": f"file://{folder}/straight"}),
             capture_output=True,
             text=True,
@@ -83,7 +85,7 @@ def test_sigterm_saves_the_next_step_and_the_resume_is_bit_identical(tmp_path: P
     root = f"file://{tmp_path}/stopped"
     target = random.Random().randint(50, total - 200)
     proc = subprocess.Popen(
-        _torchrun_cmd(),
+        _torchrun_cmd(tmp_path),
         env=_env({"TRAIN_CHECKPOINT_URI": root}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -130,7 +132,7 @@ def test_sigterm_saves_the_next_step_and_the_resume_is_bit_identical(tmp_path: P
     assert failure.collateral and failure.retryable and "stopped to save a checkpoint" in failure.headline()
 
     resumed = subprocess.run(
-        _torchrun_cmd(),
+        _torchrun_cmd(tmp_path / "resumed"),
         env=_env({"TRAIN_CHECKPOINT_URI": root, "TRAIN_RESUME_FROM": committed[0].uri}),
         capture_output=True,
         text=True,
@@ -256,7 +258,7 @@ def test_async_saves_and_the_stop_flag_do_not_deadlock(tmp_path: Path) -> None:
     with --async-checkpoint hung at its first save. 110 steps, saves at 50 and 100."""
     args = [str(TRAINER), "--epochs", "5", "--checkpoint-every", "50", "--async-checkpoint", "--log-every", "1000"]
     proc = subprocess.run(
-        _torchrun_cmd(args),
+        _torchrun_cmd(tmp_path, args),
         env=_env({"TRAIN_CHECKPOINT_URI": f"file://{tmp_path}/async"}),
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,14 +265,17 @@ def _torchrun(
     full_env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
     full_env.update(env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    # Its logs in a folder removed after (without --log-dir torchrun leaves one in /tmp each run).
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        return subprocess.run(
+            [*launcher, f"--log-dir={logs}", *args],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
 
 @pytest.mark.slow
