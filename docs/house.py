@@ -50,7 +50,9 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("decorators", "cli", "plugin", "ui", "provider", "demo", "__init__")),
 ]
 RANKS = "the ranks' side"
-RANKS_ENTRIES = ("worker", "integrations")
+# The local backend's torchrun agent runs beside its ranks, not in Airflow: it forks them from
+# itself (torch imported), into the launcher's entry point.
+RANKS_ENTRIES = ("worker", "integrations", "backends.local.agent")
 SHARED = ("foundations", "core")
 ORDER = [name for name, _ in FLOORS]
 
@@ -146,6 +148,8 @@ def room(module: str, packages: frozenset[str] = frozenset()) -> str:
         parts = [*parts, "__init__"]
     if module == "backends":
         return "backends (registry)"
+    if module == "backends.local.agent":
+        return "local/agent"
     if parts[0] == "backends":
         return f"{parts[1]}/" if len(parts) > 2 else "backends (base, handles)"
     if module == "integrations.detect" or len(parts) == 1:

@@ -34,6 +34,8 @@ def train_loop_per_worker(lr, epochs=4):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()  # the decorator initialised the process group
+    with open("/proc/self/cmdline", "rb") as fp:  # forked from its node's agent (local_rank_start=fork)
+        print(f"FORKED rank={rank} {b'airflow_torchrun.backends.local.agent' in fp.read()}", flush=True)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(10, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -110,6 +112,7 @@ def test_ray_train_shape_on_2x2_returns_rank_0_metrics(run_dag):
     logs = result.node_logs("train_loop_per_worker")
     last = {int(r): float(v) for r, v in re.findall(r"METRICS rank=(\d) epoch=3 loss=(\S+)", logs)}
     assert sorted(last) == [0, 1, 2, 3]
+    assert sorted(re.findall(r"FORKED rank=(\d) True", logs)) == ["0", "1", "2", "3"], logs[-3000:]
     assert value == {"rank": 0, "world_size": 4, "epochs": 4, "lr": 0.05, "loss": last[0]}
     assert len(set(last.values())) > 1  # the other ranks' values differed, and were ignored
     summary = result.xcom("train_loop_per_worker", key="training_summary")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_torchrun.backends.local.procs import group_pids
+from airflow_torchrun.backends.local.procs import group_pids, rank_pid
 from tests.example_trainer import IMPORTS
 from tests.example_trainer import train_task as _train_task
 
@@ -145,7 +145,7 @@ def test_a_sigterm_save_of_the_failed_group_is_where_the_restart_resumes(run_dag
                     continue
                 steps = [int(m) for m in re.findall(r"step (\d+)/\d+", node_log.read_text(errors="replace"))]
                 if steps and max(steps) >= target:
-                    rank_1 = _rank_pid(node_log.parent.parent.name, "1")
+                    rank_1 = rank_pid(node_log.parent.parent.name, 1)
                     if rank_1 is None:
                         continue
                     seen.update(group=node_log.parent.parent.name, last_done=max(steps))
@@ -175,17 +175,6 @@ def test_a_sigterm_save_of_the_failed_group_is_where_the_restart_resumes(run_dag
     events = _timeline(result)
     assert _at(events, "launched", 1) < _at(events, "teardown_done", 0) <= _at(events, "gate_opened", 1)
     assert result.xcom("train", key="launches")["restarts"] == 1
-
-
-def _rank_pid(group_id: str, rank: str) -> int | None:
-    for pid in group_pids(group_id):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=0" in environ:
-            return pid
-    return None
 
 
 def test_killing_the_task_while_the_relaunch_is_held_leaves_nothing(run_dag, tmp_path) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from airflow_torchrun.backends.local.backend import LocalBackend
-from airflow_torchrun.backends.local.procs import group_pids
+from airflow_torchrun.backends.local.procs import group_pids, rank_pid
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import NodePhase, Outcome, group_status
@@ -216,9 +216,14 @@ def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tin
         _until(lambda: _workers_running(backend, handle), what="ranks to start")
         sup = json.loads((node1 / "supervisor.json").read_text())
         (rank,) = [p for p in group_pids(handle.group_id, node_rank=1) if p not in (sup["pid"], sup["agent_pid"])]
+        rank_0 = rank_pid(handle.group_id, 0)
+        assert rank_0 is not None
         # The agent is held still so that "before it has stopped" does not depend on how fast a
-        # loaded machine runs it: only the supervisor can see the rank die meanwhile.
-        os.kill(sup["agent_pid"], signal.SIGSTOP)
+        # loaded machine runs it: only the supervisor can see the rank die meanwhile. Rank 0 is held
+        # too: in its all_reduce it would fail within milliseconds of its peer, and node 0 with it.
+        held = (sup["agent_pid"], rank_0)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
         try:
             os.kill(rank, signal.SIGKILL)
             deadline = time.monotonic() + 30
@@ -226,7 +231,8 @@ def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tin
                 time.sleep(0.02)
             agent_done = (node1 / "exit.json").exists()
         finally:
-            os.kill(sup["agent_pid"], signal.SIGCONT)
+            for pid in held:
+                os.kill(pid, signal.SIGCONT)
         assert nodes[1].phase is NodePhase.FAILED, nodes
         assert not agent_done, "node 1 was seen failed only once its agent had exited"
         assert nodes[1].reason == "local rank 0 was killed by SIGKILL; its torchrun agent is stopping the node"

@@ -47,6 +47,14 @@ CONFIG_OPTIONS = {
         None,
         "https://mlflow.example.com",
     ),
+    "local_rank_start": _option(
+        "How the local backend starts each rank of a script= or @task.torchrun task: fork (from its node's "
+        "torchrun agent, torch already imported: no import per rank and per restart) or exec (a new Python "
+        "interpreter per rank, as torchrun does). A task's env={'AIRFLOW_TORCHRUN_RANK_START': 'exec'} "
+        "chooses for that task.",
+        "fork",
+        "exec",
+    ),
     "defer_after": _option(
         "Deferrable tasks: seconds the worker watches a group itself before it defers to the triggerer, "
         "so a group of seconds never defers (operator argument defer_after).",

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from airflow_torchrun.backends.local.procs import _environ, group_pids, stop_group
+from airflow_torchrun.backends.local.procs import _environ, group_pids, rank_pid, stop_group
 from airflow_torchrun.storage.checkpoints import CheckpointStore
 from tests import s3_fixtures
 from tests.chaos.conftest import FINAL, IMPORTS, STEP, trainer_task
@@ -53,14 +53,6 @@ RESUMED = re.compile(r"resuming from (\S+)/step-0*(\d+) \(step \d+\)")
 
 
 # -- the faults -----------------------------------------------------------------------------------
-def _rank_pid(group_id: str, rank: int) -> int | None:
-    for pid in group_pids(group_id):
-        env = _environ(pid)
-        if env.get(b"RANK") == str(rank).encode() and b"LOCAL_RANK" in env:
-            return pid
-    return None
-
-
 def _agent_pid(group_dir: Path, node_rank: int) -> int | None:
     """The node's torchrun agent, as its supervisor recorded it (the supervisor's own command line
     names ``torch.distributed.run`` too, so a search by command line can find the wrong process)."""
@@ -82,7 +74,7 @@ def _signal(pid: int | None, sig: int) -> bool:
 
 def kill_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
     rank = rng.randint(0, 1)
-    return lambda group_id, _dir: (_signal(_rank_pid(group_id, rank), signal.SIGKILL), f"rank {rank}")
+    return lambda group_id, _dir: (_signal(rank_pid(group_id, rank), signal.SIGKILL), f"rank {rank}")
 
 
 def kill_agent(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
@@ -92,7 +84,7 @@ def kill_agent(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
 
 def stop_rank(rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
     rank = rng.randint(0, 1)
-    return lambda group_id, _dir: (_signal(_rank_pid(group_id, rank), signal.SIGSTOP), f"rank {rank} SIGSTOPped")
+    return lambda group_id, _dir: (_signal(rank_pid(group_id, rank), signal.SIGSTOP), f"rank {rank} SIGSTOPped")
 
 
 def sigterm_group(_rng: random.Random) -> Callable[[str, Path], tuple[bool, str]]:
@@ -109,7 +101,7 @@ def kill_while_writing(_rng: random.Random) -> Callable[[str, Path], tuple[bool,
     """SIGKILL rank 0 while a checkpoint step directory exists without its commit marker."""
 
     def inject(group_id: str, _dir: Path) -> tuple[bool, str]:
-        pid = _rank_pid(group_id, 0)
+        pid = rank_pid(group_id, 0)
         uri = _environ(pid).get(b"TRAIN_CHECKPOINT_URI", b"").decode() if pid else ""
         if not uri.startswith("file://"):
             return False, "no checkpoint location found"

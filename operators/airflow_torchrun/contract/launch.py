@@ -12,6 +12,14 @@ NODE_RANK_VAR = "AIRFLOW_TORCHRUN_NODE_RANK"
 # What every rank of a script= task runs under torchrun, and of a @task.torchrun task.
 WORKER_ENTRY = "airflow_torchrun.worker.launch"
 FUNCTION_ENTRY = "airflow_torchrun.worker.function"
+# Which worker of a node's agent is which rank, {pid: [rank, local_rank]}: written by the local
+# backend's agent, whose ranks are forked (their environment from exec is the agent's, without RANK).
+# The agent and its ranks carry the file's path in this variable; its value is ``RANK_START_VAR``'s.
+RANKS_FILE_VAR = "AIRFLOW_TORCHRUN_RANKS_FILE"
+RANKS_FILE = "ranks.json"
+# How the local backend's agent starts the ranks that run a launcher of ours: "fork" (from the
+# agent, torch imported) or "exec" (a new interpreter each, as torchrun does).
+RANK_START_VAR = "AIRFLOW_TORCHRUN_RANK_START"
 # Written by the launcher beside torchrun's per-rank error file: the process group a rank joined.
 PROCESS_GROUP_FILE = "process_group.json"
 # A rank of a group started while the group before it is torn down holds before its script until

@@ -26,6 +26,7 @@ Two more things for the operator, on both backends:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.abc
 import importlib.machinery
@@ -33,10 +34,11 @@ import json
 import os
 import re
 import runpy
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TextIO
 
@@ -168,6 +170,14 @@ class _ProcessGroupWatch(importlib.abc.MetaPathFinder):
             new.__doc__ = old.__doc__
         c10d.init_process_group = init_process_group  # type: ignore[attr-defined]
         c10d.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+        # Imported already (a rank forked from its agent): torch.distributed's own names for them too.
+        dist = sys.modules.get("torch.distributed")
+        for name, new, old in (
+            ("init_process_group", init_process_group, original_init),
+            ("destroy_process_group", destroy_process_group, original_destroy),
+        ):
+            if dist is not None and getattr(dist, name, None) is old:
+                setattr(dist, name, new)
 
     def note_collectives(self) -> None:
         """How many collectives ran on the default group (its sequence number), before it goes away:
@@ -263,7 +273,9 @@ def main() -> None:
         sys.exit("usage: python -m airflow_torchrun.worker.launch SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
     watch = _ProcessGroupWatch()
-    if _C10D not in sys.modules:  # before a held rank imports torch.distributed
+    if _C10D in sys.modules:  # a rank forked from its agent: torch is imported
+        watch.patch(sys.modules[_C10D])
+    else:  # before a held rank imports torch.distributed
         sys.meta_path.insert(0, watch)
     stderr = _StderrTail(sys.stderr)
     sys.stderr = stderr
@@ -281,6 +293,63 @@ def main() -> None:
             watch.note_collectives()
         else:
             _write_process_group({"joined": False})
+
+
+def forked(script: str, *args: str) -> None:
+    """:func:`main` in a rank forked from its node's torchrun agent (the local backend's
+    :mod:`airflow_torchrun.backends.local.agent`), torch imported already."""
+    global _STARTED_AT
+    _STARTED_AT = time.time()
+    as_a_new_process(main, [__file__, script, *args])
+
+
+def forked_function(*args: str) -> None:
+    """:mod:`airflow_torchrun.worker.function`'s ``main`` (a ``@task.torchrun`` rank), forked so."""
+    from airflow_torchrun.worker import function
+
+    as_a_new_process(function.main, [function.__file__, *args])
+
+
+def as_a_new_process(entry: Callable[[], None], argv: list[str]) -> None:
+    """Run ``entry`` in a process forked from a torchrun agent as if it had a new interpreter of its
+    own (torch's import aside): what the agent set is put back first (its signal handlers and
+    atexit functions, numpy's global random state), and its end is a process's end (the script's
+    atexit functions, its exit status and traceback as Python gives them), not multiprocessing's."""
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()
+    if "numpy" in sys.modules:  # its legacy global generator: each rank its own seed, as when imported anew
+        sys.modules["numpy"].random.seed()
+    sys.argv = argv
+    code = 0
+    interrupted = False
+    try:
+        entry()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # the traceback Python prints for an uncaught exception
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+    if code or interrupted:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
+    # 0: back to torchrun's worker wrapper, which hands the agent its return value and exits
 
 
 if __name__ == "__main__":

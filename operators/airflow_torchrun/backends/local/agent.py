@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _stop_once()
     _hold_the_store_for_the_exit_barrier()
+    _fork_our_ranks()
     sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
     try:
         run.main(argv)  # None: sys.argv[1:], as torchrun reads them
@@ -85,6 +87,57 @@ def _stop_once() -> None:
 
     # torchrun installs it when its workers start, by this module-level name.
     api._terminate_process_handler = first_only
+
+
+def _fork_our_ranks() -> None:
+    """Ranks that run our launcher are forked from this agent, torch imported (torchrun's own
+    ``--start-method=fork`` for a function entry point), instead of each starting an interpreter
+    that imports torch again: 1.3 s of CPU per rank and per restart on a 2-core machine. What a new
+    interpreter would differ in is put back in the rank (:func:`airflow_torchrun.worker.launch.forked`).
+    ``AIRFLOW_TORCHRUN_RANK_START=exec`` keeps torchrun's way. Which pid is which rank goes to the
+    file ``AIRFLOW_TORCHRUN_RANKS_FILE`` names (a forked rank's environment from exec is this
+    agent's, without ``RANK``)."""
+    from torch.distributed import run
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from airflow_torchrun.contract.launch import FUNCTION_ENTRY, RANK_START_VAR, RANKS_FILE_VAR, WORKER_ENTRY
+    from airflow_torchrun.worker import launch
+
+    if os.environ.get(RANK_START_VAR, "fork") != "fork":
+        return
+    original = run.config_from_args
+
+    def config_from_args(args: Any) -> Any:
+        config, cmd, cmd_args = original(args)
+        if cmd == sys.executable and cmd_args[:3] == ["-u", "-m", WORKER_ENTRY]:  # script=
+            config.start_method = "fork"
+            return config, launch.forked, cmd_args[3:]
+        if cmd == sys.executable and cmd_args[:2] == ["-m", FUNCTION_ENTRY]:  # @task.torchrun (--no-python)
+            config.start_method = "fork"
+            return config, launch.forked_function, cmd_args[2:]
+        return config, cmd, cmd_args
+
+    run.config_from_args = config_from_args
+    ranks_file = os.environ.get(RANKS_FILE_VAR)
+    if not ranks_file:
+        return
+    start_workers = LocalElasticAgent._start_workers
+
+    def and_record_ranks(agent: Any, worker_group: Any) -> dict[int, int]:
+        pids = start_workers(agent, worker_group)
+        ranks = {str(pid): [worker_group.workers[local].global_rank, local] for local, pid in pids.items()}
+        try:
+            with open(ranks_file) as fp:
+                ranks = {**json.load(fp), **ranks}
+        except (OSError, ValueError):
+            pass
+        tmp = f"{ranks_file}.{os.getpid()}"
+        with open(tmp, "w") as fp:
+            json.dump(ranks, fp)
+        os.replace(tmp, ranks_file)
+        return pids
+
+    LocalElasticAgent._start_workers = and_record_ranks  # type: ignore[method-assign]
 
 
 def _hold_the_store_for_the_exit_barrier() -> None:

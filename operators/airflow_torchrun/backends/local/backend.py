@@ -44,7 +44,7 @@ from airflow_torchrun.backends.handles import (
 )
 from airflow_torchrun.backends.local.procs import group_pids, groups_running, pid_alive, signal_pids, stop_group
 from airflow_torchrun.backends.local.supervisor import RANK_FAILED_FILE, WORKERS_FILE
-from airflow_torchrun.contract.launch import GATE_FILE
+from airflow_torchrun.contract.launch import GATE_FILE, RANK_START_VAR
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec, is_templated
@@ -78,6 +78,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+RANK_STARTS = ("fork", "exec")
+
+
+def rank_start() -> str:
+    """``[torchrun] local_rank_start``: how each node's agent starts the ranks that run a launcher of
+    ours (:func:`airflow_torchrun.backends.local.agent._fork_our_ranks`)."""
+    from airflow_torchrun.compat import conf
+
+    value = (conf.get("torchrun", "local_rank_start", fallback=None) or "fork").strip().lower()
+    if value not in RANK_STARTS:
+        raise GroupLaunchError(
+            f"[torchrun] local_rank_start = {value!r}: give one of {', '.join(RANK_STARTS)} "
+            "(AIRFLOW__TORCHRUN__LOCAL_RANK_START)"
+        )
+    return value
 
 
 class LocalBackend(Backend[LocalHandle]):
@@ -159,6 +176,9 @@ class LocalBackend(Backend[LocalHandle]):
                 f"script {spec.script!r} does not exist (resolved to {Path(spec.script).resolve()}); "
                 "give an absolute path, or one relative to the DAG file's folder or the worker's current directory"
             )
+        start = spec.env.get(RANK_START_VAR)
+        if start is not None and not is_templated(start) and start not in RANK_STARTS:
+            problems.append(f"env {RANK_START_VAR}={start!r}: give one of {', '.join(RANK_STARTS)}")
         return problems
 
     # -- storage ------------------------------------------------------------------------------
@@ -209,6 +229,7 @@ class LocalBackend(Backend[LocalHandle]):
     ) -> GroupPlan:
         group_dir = self.state_dir / "groups" / identity.group_id
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        extra_env = {RANK_START_VAR: rank_start(), **extra_env}  # the task's env= may choose otherwise
         return plan(
             spec,
             identity,

@@ -1,20 +1,22 @@
 """Finding and stopping a group's processes by the marker every one of them inherits.
 
-torchrun starts each worker in a session of its own, so killing an agent's process group does not
-reach its workers, and a SIGKILLed agent leaves them running (seen with torchrun 2.13, even when
+torchrun starts each exec'd worker in a session of its own, so killing an agent's process group does
+not reach its workers, and a SIGKILLed agent leaves them running (seen with torchrun 2.13, even when
 the agent's whole process group was SIGKILLed). Every process of a group carries
-``AIRFLOW_TORCHRUN_GROUP_ID`` in its environment from exec on, so it can be found from /proc
-whatever became of its parent. PIDs are re-checked before each signal.
+``AIRFLOW_TORCHRUN_GROUP_ID`` in its environment from exec on (a rank forked from its agent has the
+agent's), so it can be found from /proc whatever became of its parent. PIDs are re-checked before
+each signal.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections.abc import Callable, Collection
 
-from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
+from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE_VAR
 
 # How long a node's supervisor may outlive the SIGKILL of its node's other processes (stop_group's
 # ``last``): it needs a poll (50 ms) to see its agent gone, and a moment to write exit.json.
@@ -85,6 +87,36 @@ def groups_running(matches: Callable[[str], bool]) -> dict[str, list[int]]:
         if matches(group_id) and not _is_zombie(int(name)):
             found.setdefault(group_id, []).append(int(name))
     return found
+
+
+def ranks_of(pid: int, ranks_file: str | None = None) -> tuple[int, int] | None:
+    """A worker's ``(RANK, LOCAL_RANK)``: from its environment when it was exec'd with them, else
+    from its agent's record of the ranks it forked (``ranks_file``, or the one its environment
+    names). None for a process that is no rank, or one not recorded yet."""
+    env = _environ(pid)
+    try:
+        if b"RANK" in env:
+            return int(env[b"RANK"]), int(env[b"LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return None
+    path = ranks_file or env.get(RANKS_FILE_VAR.encode(), b"").decode()
+    if not path:
+        return None
+    try:
+        with open(path) as fp:
+            rank, local_rank = json.load(fp)[str(pid)]
+        return int(rank), int(local_rank)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def rank_pid(group_id: str, rank: int) -> int | None:
+    """The live process of the group's rank ``rank``, if there is one."""
+    for pid in group_pids(group_id):
+        found = ranks_of(pid)
+        if found is not None and found[0] == rank:
+            return pid
+    return None
 
 
 def signal_pids(pids: list[int], sig: int) -> None:

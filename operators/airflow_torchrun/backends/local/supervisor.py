@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from airflow_torchrun.backends.local.procs import pid_alive, stop_group
-from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR
+from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, stop_group
+from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE, RANKS_FILE_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
 # linux/pidfd.h: PIDFD_GET_INFO is _IOWR(0xFF, 11, struct pidfd_info); its first version is 64 bytes,
@@ -69,20 +69,6 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def _ranks_of(pid: int) -> tuple[int | None, int | None]:
-    """``RANK`` and ``LOCAL_RANK`` from a worker's environment (unreadable before its exec, and once
-    it is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fp:
-            pairs = dict(item.partition(b"=")[::2] for item in fp.read().split(b"\0") if item)
-    except OSError:
-        return None, None
-    try:
-        return int(pairs[b"RANK"]), int(pairs[b"LOCAL_RANK"])
-    except (KeyError, ValueError):
-        return None, None
-
-
 def signal_name(signum: int) -> str:
     """``SIGKILL`` for 9; ``signal 37`` for a signal Python has no name for (SIGRTMIN+3, say)."""
     try:
@@ -109,8 +95,9 @@ class _WorkerWatch:
     # stat fields after the name: state is 0, starttime is field 22 (index 19), exit_code field 52 (49)
     _STATE, _START, _EXIT = 0, 19, 49
 
-    def __init__(self, agent_pid: int) -> None:
+    def __init__(self, agent_pid: int, ranks_file: str | None = None) -> None:
         self.agent_pid = agent_pid
+        self.ranks_file = ranks_file  # the agent's record of the ranks it forked
         self.workers: dict[int, _Worker] = {}
         self.outcomes: list[dict[str, object]] = []
 
@@ -141,8 +128,11 @@ class _WorkerWatch:
                 fd = None  # no pidfds here: the worker is polled instead
             self.workers[pid] = _Worker(pid, fields[self._START], fd)
         for worker in self.workers.values():
-            if worker.rank is None:
-                worker.rank, worker.local_rank = _ranks_of(worker.pid)
+            self._name(worker)
+
+    def _name(self, worker: _Worker) -> None:
+        if worker.rank is None:
+            worker.rank, worker.local_rank = ranks_of(worker.pid, self.ranks_file) or (None, None)
 
     def fds(self) -> list[int]:
         return [w.fd for w in self.workers.values() if w.fd is not None]
@@ -158,6 +148,7 @@ class _WorkerWatch:
             alive = fields is not None and fields[self._START] == worker.started
             if alive and fields is not None and fields[self._STATE] != "Z":
                 continue
+            self._name(worker)  # a forked rank that died at once: its agent's record may be newer
             outcome: dict[str, object] = {
                 "pid": worker.pid,
                 "rank": worker.rank,
@@ -244,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     _become_subreaper()
 
     started = time.time()
+    ranks_file = str(node_dir / RANKS_FILE)
+    env = {**os.environ, RANKS_FILE_VAR: ranks_file}
     with open(node_dir / "node.log", "ab", buffering=0) as log:
-        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     reap = _Reaper(agent)
     write_json(
         node_dir / "supervisor.json",
@@ -253,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     watch_parent = args.watch_pid and args.watch_pid == os.getppid()
-    workers = _WorkerWatch(agent.pid)
+    workers = _WorkerWatch(agent.pid, ranks_file)
     failed_reported = False
     returncode: int | None = None
     try:  # the agent's own death wakes the loop too
