@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -30,11 +33,15 @@ LOOKS = textwrap.dedent(
     """
     import sys
     preloaded = "torch" in sys.modules  # before this script imports it
-    import atexit, json, logging, os, signal
+    import atexit, faulthandler, json, logging, os, signal
     import numpy as np
     import torch
     import torch.distributed as dist
 
+    child = os.fork()  # a process of the script's own, which ends through the launcher as itself
+    if child == 0:
+        sys.exit(0)
+    _, status = os.waitpid(child, 0)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = os.environ["OUT"]
@@ -53,6 +60,8 @@ LOOKS = textwrap.dedent(
         "numpy": int(np.random.randint(1 << 30)),
         "main": __name__,
         "init_wrapped": hasattr(dist.init_process_group, "__wrapped__"),
+        "faulthandler": faulthandler.is_enabled(),
+        "child_status": status,
     }
     with open(f"{out}/looks-{rank}.json", "w") as fp:
         json.dump(looks, fp)
@@ -122,6 +131,7 @@ def test_a_rank_sees_what_a_new_interpreter_would_torch_aside(tmp_path: Path, ho
         assert seen["threads"] == int(seen["omp"]), seen
         assert seen["main"] == "__main__"
         assert seen["init_wrapped"], "the launcher's watch of init_process_group is missing"
+        assert seen["faulthandler"] is False and seen["child_status"] == 0, seen
     assert looks[0]["numpy"] != looks[1]["numpy"], "numpy's global seed is shared between ranks"
     # the script's atexit functions ran, as at a new interpreter's exit
     assert (tmp_path / "atexit-0").read_text() == "ran" and (tmp_path / "atexit-1").read_text() == "ran"
@@ -149,6 +159,115 @@ def test_a_ranks_end_is_a_processes_end(tmp_path: Path, how: str) -> None:
     assert json.loads(error_0.read_text())["message"]["message"] == "SystemExit: 7"
     assert json.loads(error_1.read_text())["message"]["message"] == "ValueError: rank one says boom"
     assert str(script) in json.loads(error_1.read_text())["message"]["extraInfo"]["py_callstack"]
+
+
+ENDS_LIKE_PYTHON = textwrap.dedent(
+    """
+    import ctypes, os, signal, sys, threading, time
+    import torch.distributed as dist
+
+    out = os.environ["OUT"]
+    rank = int(os.environ["RANK"])
+    def late():  # a background save still being written when the script fails
+        time.sleep(0.5)
+        open(f"{out}/thread-{rank}", "w").write("done")
+    threading.Thread(target=late).start()
+    ctypes.CDLL(None).printf(b"C-LEVEL-OUTPUT rank=%d\\n", rank)  # C's stdio: buffered in a file
+    if os.environ.get("WAIT_FOR_A_SIGNAL"):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda n, _: (open(f"{out}/got-{signal.Signals(n).name}-{rank}", "w"), sys.exit(75)))
+        open(f"{out}/waiting-{rank}", "w").close()
+        while True:
+            time.sleep(0.05)
+    sys.exit(3)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["fork", "exec"])
+def test_a_failing_rank_joins_its_threads_and_flushes_c_output_first(tmp_path: Path, how: str) -> None:
+    backend, handle, _, _ = _run(tmp_path, ENDS_LIKE_PYTHON, how, nodes=1, nproc=1)
+    (worker,) = json.loads((Path(handle.group_dir) / "node-0" / "workers.json").read_text())["workers"]
+    assert worker["exit_code"] == 3, worker
+    assert (tmp_path / "thread-0").read_text() == "done"
+    assert "C-LEVEL-OUTPUT rank=0" in Path(backend.log_locations(handle)[0]).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["fork", "exec"])
+def test_a_rank_whose_agent_is_killed_gets_sigterm_from_the_supervisor(tmp_path: Path, how: str) -> None:
+    """No signal on its agent's death (torch's fork wrapper asks for SIGINT): the node's supervisor
+    stops the orphan with SIGTERM, so a save on stop still runs, as for an exec'd rank."""
+    path = tmp_path / "script.py"
+    path.write_text(ENDS_LIKE_PYTHON)
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(
+        script=str(path),
+        num_nodes=1,
+        nproc_per_node=1,
+        env={RANK_START_VAR: how, "OUT": str(tmp_path), "WAIT_FOR_A_SIGNAL": "1"},
+        teardown_grace=3,
+    )
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "waiting-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        agent = json.loads((Path(handle.group_dir) / "node-0" / "supervisor.json").read_text())["agent_pid"]
+        os.kill(agent, signal.SIGKILL)
+        exit_file = Path(handle.group_dir) / "node-0" / "exit.json"
+        while not exit_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        backend.teardown(handle)
+    assert group_pids(handle.group_id) == []
+    assert (tmp_path / "got-SIGTERM-0").exists() and not (tmp_path / "got-SIGINT-0").exists()
+
+
+def test_an_agent_with_the_cuda_driver_loaded_does_not_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's LaunchConfig asks torch.cuda.is_available(): asked NVML's way, which leaves CUDA
+    uninitialised; should the driver be loaded all the same, the ranks are exec'd (a forked one
+    could not use CUDA)."""
+    from torch.distributed import run
+
+    from airflow_torchrun.backends.local import agent
+    from airflow_torchrun.contract.launch import WORKER_ENTRY
+    from airflow_torchrun.worker import launch
+
+    asked: list[str | None] = []
+
+    def torchruns(args: object) -> tuple[object, str, list[str]]:
+        asked.append(os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
+        return types.SimpleNamespace(start_method="spawn"), sys.executable, ["-u", "-m", WORKER_ENTRY, "s.py", "--x"]
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.delenv(RANK_START_VAR, raising=False)
+    monkeypatch.delenv("AIRFLOW_TORCHRUN_RANKS_FILE", raising=False)
+    monkeypatch.setattr(run, "config_from_args", torchruns)
+    agent._fork_our_ranks()
+    config, entry, args = run.config_from_args(None)
+    assert (config.start_method, entry, args) == ("fork", launch.forked, ["s.py", "--x"])
+    assert asked == ["1"] and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    lib = "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
+    runtime = "7f00-7f01 r-xp 00000000 08:01 1 /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n"
+    assert not agent.cuda_untouched(lib) and agent.cuda_untouched(runtime) and agent.cuda_untouched("")
+    monkeypatch.setattr(agent, "cuda_untouched", lambda: False)
+    config, entry, args = run.config_from_args(None)
+    assert (config.start_method, entry) == ("spawn", sys.executable), "forked after CUDA was initialised"
+
+
+def test_a_rank_that_ended_before_its_agent_named_it_is_named_later(tmp_path: Path) -> None:
+    from airflow_torchrun.backends.local.supervisor import _WorkerWatch
+
+    ranks = tmp_path / "ranks.json"
+    watch = _WorkerWatch(agent_pid=0, ranks_file=str(ranks))
+    watch.outcomes.append({"pid": 4242, "rank": None, "local_rank": None, "exit_code": 2, "signal": None})
+    assert watch.backfill() is False  # not recorded yet
+    ranks.write_text(json.dumps({"4242": [3, 1]}))
+    assert watch.backfill() is True
+    assert (watch.outcomes[0]["rank"], watch.outcomes[0]["local_rank"]) == (3, 1)
+    assert watch.backfill() is False
 
 
 def test_the_rank_start_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

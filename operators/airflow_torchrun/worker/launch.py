@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import faulthandler
+import gc
 import importlib.abc
 import importlib.machinery
 import json
@@ -36,8 +39,10 @@ import re
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, TextIO
@@ -54,6 +59,7 @@ USAGE_EXIT_CODE = 2
 # The stderr kept to find a parser's ``error:`` line (it is the last thing printed before exit).
 _STDERR_TAIL = 8192
 _C10D = "torch.distributed.distributed_c10d"
+_PR_SET_PDEATHSIG = 1
 # When this rank's interpreter got to the launcher (the script's imports come next): the try's
 # timeline takes the last rank's as its ``ranks_started`` (airflow_torchrun.timeline).
 _STARTED_AT = time.time()
@@ -312,14 +318,32 @@ def forked_function(*args: str) -> None:
 
 def as_a_new_process(entry: Callable[[], None], argv: list[str]) -> None:
     """Run ``entry`` in a process forked from a torchrun agent as if it had a new interpreter of its
-    own (torch's import aside): what the agent set is put back first (its signal handlers and
-    atexit functions, numpy's global random state), and its end is a process's end (the script's
-    atexit functions, its exit status and traceback as Python gives them), not multiprocessing's."""
+    own (torch's import aside). What the agent and torch's worker wrapper set is put back first:
+    signal handlers, atexit functions and weakref finalizers of the agent's (the standard library's
+    own exit hooks kept), the signal on the agent's death (none, as for an exec'd rank: the node's
+    supervisor stops orphans with SIGTERM, so a save on stop still runs), faulthandler (on only with
+    ``PYTHONFAULTHANDLER``), numpy's global random state. The end is a process's end: non-daemon
+    threads joined (an unfinished background save among them), the script's atexit functions run,
+    the exit status and traceback as Python gives them, C's buffered output flushed."""
+    me = os.getpid()
+    with contextlib.suppress(OSError, AttributeError):  # torch's wrapper asked for SIGINT when the agent dies
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0)
+    if not os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.disable()  # torch's wrappers enable it; a new interpreter has it off
     for sig in signal.valid_signals():
         if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
             signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit._clear()
+    with contextlib.suppress(AttributeError):  # the agent's objects' finalizers are not the script's
+        weakref.finalize._registry.clear()  # type: ignore[attr-defined]
+        weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]
+    # What the standard library registered when the agent imported it (a new interpreter would have
+    # registered them when the script imported it): log handlers flushed, multiprocessing children ended.
+    if "logging" in sys.modules:
+        atexit.register(sys.modules["logging"].shutdown)
+    if "multiprocessing.util" in sys.modules:
+        atexit.register(sys.modules["multiprocessing.util"]._exit_function)
     if "numpy" in sys.modules:  # its legacy global generator: each rank its own seed, as when imported anew
         sys.modules["numpy"].random.seed()
     sys.argv = argv
@@ -340,16 +364,24 @@ def as_a_new_process(entry: Callable[[], None], argv: list[str]) -> None:
         sys.excepthook(*sys.exc_info())  # the traceback Python prints for an uncaught exception
         code = 1
     finally:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Python: non-daemon threads first, then atexit
         atexit._run_exitfuncs()
-    if code or interrupted:
+    if code or interrupted or os.getpid() != me:  # (a process the script forked ends here too, as itself)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)
         if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
-    # 0: back to torchrun's worker wrapper, which hands the agent its return value and exits
+    # 0: back to torchrun's worker wrapper, which hands the agent its return value and waits for the
+    # node's other ranks to finish. Meanwhile it is done: a teardown's SIGTERM ends it at once (the
+    # script's handler for a save on stop has nothing left to save), and its garbage goes.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 # milliseconds of the barrier passing, unless it was killed then.
 RELEASE_WAIT = 10.0
 _LEFT_KEY = "airflow_torchrun/left_exit_barrier"
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +109,20 @@ def _fork_our_ranks() -> None:
     original = run.config_from_args
 
     def config_from_args(args: Any) -> Any:
-        config, cmd, cmd_args = original(args)
+        # torchrun's LaunchConfig asks torch.cuda.is_available(), whose default answer initialises
+        # CUDA in the agent, and a process forked after that cannot use CUDA. NVML's answer does not.
+        before = os.environ.get(_NVML_CHECK)
+        os.environ[_NVML_CHECK] = "1"
+        try:
+            config, cmd, cmd_args = original(args)
+        finally:
+            if before is None:
+                del os.environ[_NVML_CHECK]
+            else:
+                os.environ[_NVML_CHECK] = before
+        if not cuda_untouched():
+            logger.warning("the CUDA driver is loaded in this agent: its ranks start as new interpreters")
+            return config, cmd, cmd_args
         if cmd == sys.executable and cmd_args[:3] == ["-u", "-m", WORKER_ENTRY]:  # script=
             config.start_method = "fork"
             return config, launch.forked, cmd_args[3:]
@@ -132,12 +146,27 @@ def _fork_our_ranks() -> None:
         except (OSError, ValueError):
             pass
         tmp = f"{ranks_file}.{os.getpid()}"
-        with open(tmp, "w") as fp:
-            json.dump(ranks, fp)
-        os.replace(tmp, ranks_file)
+        try:
+            with open(tmp, "w") as fp:
+                json.dump(ranks, fp)
+            os.replace(tmp, ranks_file)
+        except OSError as exc:  # a record only: the node's outcomes then name no rank
+            logger.warning("could not record which worker is which rank in %s: %s", ranks_file, exc)
         return pids
 
     LocalElasticAgent._start_workers = and_record_ranks  # type: ignore[method-assign]
+
+
+def cuda_untouched(maps: str | None = None) -> bool:
+    """No CUDA driver in this process (``/proc/self/maps``, or ``maps``, lists no ``libcuda.so``):
+    a process forked from it can still initialise CUDA."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as fp:
+                maps = fp.read()
+        except OSError:
+            return False
+    return "/libcuda.so" not in maps
 
 
 def _hold_the_store_for_the_exit_barrier() -> None:

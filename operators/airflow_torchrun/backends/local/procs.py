@@ -100,10 +100,14 @@ def ranks_of(pid: int, ranks_file: str | None = None) -> tuple[int, int] | None:
     except (KeyError, ValueError):
         return None
     path = ranks_file or env.get(RANKS_FILE_VAR.encode(), b"").decode()
-    if not path:
-        return None
+    return recorded_rank(pid, path) if path else None
+
+
+def recorded_rank(pid: int, ranks_file: str) -> tuple[int, int] | None:
+    """``(RANK, LOCAL_RANK)`` of a worker its agent forked, from the agent's record (also once the
+    worker is gone)."""
     try:
-        with open(path) as fp:
+        with open(ranks_file) as fp:
             rank, local_rank = json.load(fp)[str(pid)]
         return int(rank), int(local_rank)
     except (OSError, ValueError, KeyError, TypeError):

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, stop_group
+from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, recorded_rank, stop_group
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE, RANKS_FILE_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -133,6 +133,18 @@ class _WorkerWatch:
     def _name(self, worker: _Worker) -> None:
         if worker.rank is None:
             worker.rank, worker.local_rank = ranks_of(worker.pid, self.ranks_file) or (None, None)
+
+    def backfill(self) -> bool:
+        """Name the outcomes of forked ranks that ended before their agent recorded which pid is which
+        rank (a script that fails at once); True when one got its name."""
+        named = False
+        for outcome in self.outcomes:
+            if outcome["rank"] is None and self.ranks_file:
+                found = recorded_rank(int(str(outcome["pid"])), self.ranks_file)
+                if found is not None:
+                    outcome["rank"], outcome["local_rank"] = found
+                    named = True
+        return named
 
     def fds(self) -> list[int]:
         return [w.fd for w in self.workers.values() if w.fd is not None]
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
 
     watch_parent = args.watch_pid and args.watch_pid == os.getppid()
     workers = _WorkerWatch(agent.pid, ranks_file)
-    failed_reported = False
+    failed_reported: dict[str, object] | None = None
     returncode: int | None = None
     try:  # the agent's own death wakes the loop too
         agent_fds = [os.pidfd_open(agent.pid)]
@@ -260,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         if not fds:
             time.sleep(0.05)
         ended = workers.ended(readable)
-        if ended:
+        named = workers.backfill()
+        if ended or named:
             write_json(node_dir / WORKERS_FILE, {"workers": workers.outcomes})
         bad = [o for o in ended if o["exit_code"] != 0 and o["exit_code"] is not None]
         if bad and not failed_reported and not stop_reason:
-            failed_reported = True
-            write_json(node_dir / RANK_FAILED_FILE, bad[0])
+            failed_reported = bad[0]
+            write_json(node_dir / RANK_FAILED_FILE, failed_reported)
+        elif named and failed_reported and failed_reported["rank"] is not None:
+            write_json(node_dir / RANK_FAILED_FILE, failed_reported)
         gone = (os.getppid() != args.watch_pid) if watch_parent else not pid_alive(args.watch_pid)
         if not stop_reason and args.watch_pid and gone:
             stop_reason.append(f"watched process {args.watch_pid} exited")
