@@ -323,7 +323,7 @@ def as_a_new_process(entry: Callable[[], None], argv: list[str]) -> None:
     own exit hooks kept), the signal on the agent's death (none, as for an exec'd rank: the node's
     supervisor stops orphans with SIGTERM, so a save on stop still runs), faulthandler (on only with
     ``PYTHONFAULTHANDLER``), numpy's global random state. The end is a process's end: non-daemon
-    threads joined (an unfinished background save among them), the script's atexit functions run,
+    threads joined (the script's own: a thread still writing a file), the script's atexit functions run,
     the exit status and traceback as Python gives them, C's buffered output flushed."""
     me = os.getpid()
     with contextlib.suppress(OSError, AttributeError):  # torch's wrapper asked for SIGINT when the agent dies

@@ -100,6 +100,7 @@ class _WorkerWatch:
         self.ranks_file = ranks_file  # the agent's record of the ranks it forked
         self.workers: dict[int, _Worker] = {}
         self.outcomes: list[dict[str, object]] = []
+        self.ended_ones: set[tuple[int, str]] = set()  # (pid, start time): a zombie is seen again until reaped
 
     def _children(self) -> list[int]:
         pids: list[int] = []
@@ -120,8 +121,10 @@ class _WorkerWatch:
             if pid in self.workers:
                 continue
             fields = _stat(pid)
-            if fields is None or fields[self._STATE] == "Z":
-                continue  # gone before it was seen: the agent's exit tells
+            if fields is None or (pid, fields[self._START]) in self.ended_ones:
+                continue  # gone (and reaped) before it was seen, the agent's exit tells; or recorded
+            # A zombie is a worker that died before it was seen (a forked rank can fail within
+            # milliseconds): its exit status is still there to read.
             try:
                 fd: int | None = os.pidfd_open(pid)
             except (AttributeError, OSError):
@@ -188,6 +191,7 @@ class _WorkerWatch:
     def close(self, worker: _Worker) -> None:
         if worker.fd is not None:
             os.close(worker.fd)
+        self.ended_ones.add((worker.pid, worker.started))
         del self.workers[worker.pid]
 
 
