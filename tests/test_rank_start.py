@@ -225,6 +225,22 @@ def test_a_rank_whose_agent_is_killed_gets_sigterm_from_the_supervisor(tmp_path:
     assert (tmp_path / "got-SIGTERM-0").exists() and not (tmp_path / "got-SIGINT-0").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["fork", "exec"])
+def test_ranks_that_fail_at_once_are_each_recorded_once(tmp_path: Path, how: str) -> None:
+    """A forked rank can be gone within milliseconds, before the supervisor's next look: it is then
+    a zombie of its agent, whose exit status is still there to read (it was skipped, and the node's
+    failure named no rank)."""
+    _, handle, status, _ = _run(tmp_path, "import sys\nsys.exit(5)\n", how, nodes=1, nproc=2)
+    assert status.state is Outcome.FAILED, status
+    workers = json.loads((Path(handle.group_dir) / "node-0" / "workers.json").read_text())["workers"]
+    assert sorted(w["rank"] for w in workers) == [0, 1], workers  # each named, each once
+    # the one seen first with its own code; the other may have been stopped by then (SIGTERM)
+    assert {w["exit_code"] for w in workers} <= {5, -15} and 5 in {w["exit_code"] for w in workers}, workers
+    first = json.loads((Path(handle.group_dir) / "node-0" / "rank-failed.json").read_text())
+    assert first["rank"] in (0, 1) and first["exit_code"] == 5, first
+
+
 def test_an_agent_with_the_cuda_driver_loaded_does_not_fork(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's LaunchConfig asks torch.cuda.is_available(): asked NVML's way, which leaves CUDA
     uninitialised; should the driver be loaded all the same, the ranks are exec'd (a forked one
