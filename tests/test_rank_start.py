@@ -87,9 +87,8 @@ ENDS = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int = 2):
-    """A group of ``nodes`` x ``nproc`` ranks of ``script``, its ranks started ``how``, watched until
-    every node's agent has ended by itself (no teardown before: each node's record is whole)."""
+def _launch(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int = 2, **env: str):
+    """A group of ``nodes`` x ``nproc`` ranks of ``script``, its ranks started ``how``."""
     path = tmp_path / "script.py"
     path.write_text(script)
     backend = LocalBackend(tmp_path / "state")
@@ -98,10 +97,17 @@ def _run(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int = 
         script_args=["--flag", "value"],
         num_nodes=nodes,
         nproc_per_node=nproc,
-        env={RANK_START_VAR: how, "OUT": str(tmp_path)},
+        env={RANK_START_VAR: how, "OUT": str(tmp_path), **env},
         teardown_grace=3,
     )
     handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    return backend, handle, path
+
+
+def _run(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int = 2):
+    """:func:`_launch`, watched until every node's agent has ended by itself (no teardown before:
+    each node's record is whole)."""
+    backend, handle, path = _launch(tmp_path, script, how, nodes=nodes, nproc=nproc)
     exits = [Path(handle.group_dir) / f"node-{n}" / "exit.json" for n in range(nodes)]
     deadline = time.monotonic() + 120
     try:
@@ -199,17 +205,7 @@ def test_a_failing_rank_joins_its_threads_and_flushes_c_output_first(tmp_path: P
 def test_a_rank_whose_agent_is_killed_gets_sigterm_from_the_supervisor(tmp_path: Path, how: str) -> None:
     """No signal on its agent's death (torch's fork wrapper asks for SIGINT): the node's supervisor
     stops the orphan with SIGTERM, so a save on stop still runs, as for an exec'd rank."""
-    path = tmp_path / "script.py"
-    path.write_text(ENDS_LIKE_PYTHON)
-    backend = LocalBackend(tmp_path / "state")
-    spec = GroupSpec.create(
-        script=str(path),
-        num_nodes=1,
-        nproc_per_node=1,
-        env={RANK_START_VAR: how, "OUT": str(tmp_path), "WAIT_FOR_A_SIGNAL": "1"},
-        teardown_grace=3,
-    )
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    backend, handle, _ = _launch(tmp_path, ENDS_LIKE_PYTHON, how, nproc=1, WAIT_FOR_A_SIGNAL="1")
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "waiting-0").exists() and time.monotonic() < deadline:
