@@ -100,7 +100,10 @@ def _launch(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int
         env={RANK_START_VAR: how, "OUT": str(tmp_path), **env},
         teardown_grace=3,
     )
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    # The group id from the test's folder and ``how``: pytest gives [fork] and [exec] (run side by side
+    # on two workers) folders of one name, and a teardown stops every process of its group id.
+    identity = GroupIdentity("d", "t", f"{tmp_path.name}-{how}")
+    handle = backend.launch(backend.plan(spec, identity, {}), watch_caller=False)
     return backend, handle, path
 
 
