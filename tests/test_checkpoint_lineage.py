@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -342,14 +343,17 @@ def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProce
     full_env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
     full_env.update(env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    # Its logs in a folder removed after (without --log-dir torchrun leaves one in /tmp each run).
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        return subprocess.run(
+            [*launcher, f"--log-dir={logs}", *args],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
 
 
 def _final(proc: subprocess.CompletedProcess[str]) -> tuple[int, str]:

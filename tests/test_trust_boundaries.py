@@ -343,6 +343,7 @@ def test_the_ranks_never_unpickle_what_a_peer_sends(tmp_path: Path) -> None:
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node=2",
+            f"--log-dir={tmp_path / 'torchrun-logs'}",  # without it torchrun leaves a folder in /tmp
             str(script),
             str(created),
         ],
