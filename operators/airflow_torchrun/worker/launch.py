@@ -45,7 +45,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from airflow_torchrun import contract
 from airflow_torchrun.contract.launch import PROCESS_GROUP_FILE
@@ -301,6 +301,22 @@ def main() -> None:
             _write_process_group({"joined": False})
 
 
+def flush_output() -> None:
+    """What Python's and C's output buffers hold, written: what a normal exit does before it ends."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to keep
+            stream.flush()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` once its output is flushed, without the interpreter's teardown
+    (the caller has run what must run before: atexit functions)."""
+    flush_output()
+    os._exit(code)
+
+
 def forked(script: str, *args: str) -> None:
     """:func:`main` in a rank forked from its node's torchrun agent (the local backend's
     :mod:`airflow_torchrun.backends.local.agent`), torch imported already."""
@@ -367,15 +383,11 @@ def as_a_new_process(entry: Callable[[], None], argv: list[str]) -> None:
         threading._shutdown()  # type: ignore[attr-defined]  # as Python: non-daemon threads first, then atexit
         atexit._run_exitfuncs()
     if code or interrupted or os.getpid() != me:  # (a process the script forked ends here too, as itself)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).fflush(None)
         if interrupted:  # as Python ends on an uncaught KeyboardInterrupt: by SIGINT
+            flush_output()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
-        os._exit(code)
+        exit_now(code)
     # 0: back to torchrun's worker wrapper, which hands the agent its return value and waits for the
     # node's other ranks to finish. Meanwhile it is done: a teardown's SIGTERM ends it at once (the
     # script's handler for a save on stop has nothing left to save), and its garbage goes.

@@ -32,7 +32,6 @@ Only the local backend runs it (its Python is this package's); a Kubernetes pod 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import logging
 import os
@@ -205,17 +204,10 @@ def _hold_the_store_for_the_exit_barrier() -> None:
 def _exit_now(code: int) -> None:
     # atexit's handlers are what a normal exit runs before the teardown (logging.shutdown flushes
     # the agent's log handlers); _run_exitfuncs is how a program runs them itself.
+    from airflow_torchrun.worker.launch import exit_now
+
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing left to keep
-            pass
-    try:  # what C and C++ code buffered in stdio (a normal exit flushes it too)
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":
