@@ -2,7 +2,8 @@
 
 Validated together with the :class:`~airflow_torchrun.spec.GroupSpec` by :func:`validate_task`,
 so an invalid task lists every problem at once (spec and settings), at DAG parse time where the
-values are known then and again once templates are rendered.
+values are known then and again once templates are rendered. The backend's answers about a
+task's fields before they are rendered (:func:`resolved_script`, :func:`default_nproc`) are here too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.backends import backend_class, backend_names
 from airflow_torchrun.backends.base import BackendOptions
@@ -27,6 +28,9 @@ from airflow_torchrun.spec import (
 from airflow_torchrun.storage.lineage import RESUME_AUTO, RESUME_NEVER, resume_problem
 from airflow_torchrun.storage.uri import parse_uri
 from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
+
+if TYPE_CHECKING:
+    from airflow_torchrun.backends.base import Backend
 
 DEFAULT_DEFER_AFTER = 60.0
 DEFAULT_PREFLIGHT_BUDGET = 120.0
@@ -239,3 +243,28 @@ def validate_task(
     if problems:
         raise InvalidSpecError(problems, where)
     return spec
+
+
+def _known(name: object) -> type[Backend[Any]] | None:
+    """The class of a backend named outright (None for a template or an unknown name: the spec lists that)."""
+    if not isinstance(name, str) or is_templated(name):
+        return None
+    try:
+        return backend_class(name)
+    except ValueError:
+        return None
+
+
+def resolved_script(backend: object, script: str | None, dag_file: str | None) -> str | None:
+    """``script=`` as the backend finds it (a relative path beside the DAG file, for the local backend);
+    a template or a task whose backend is not known yet keeps it as written."""
+    cls = _known(backend)
+    if cls is None or not isinstance(script, str) or is_templated(script):
+        return script
+    return cls.resolve_script(script, dag_file)
+
+
+def default_nproc(backend: object, runtime: str | None, where: str) -> int:
+    """Ranks per node for a task that names none: the backend's answer for its runtime, 1 until known."""
+    cls = _known(backend)
+    return 1 if cls is None or is_templated(runtime) else cls.default_nproc_per_node(runtime, where)

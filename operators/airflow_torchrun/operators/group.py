@@ -2,31 +2,32 @@
 
 It owns the group's arguments: what to run and on how many agents (templated, validated when the
 DAG is parsed and again once rendered), and how the group starts, is watched and relaunched
-(settings frozen in ``__init__``). It composes a :class:`~airflow_torchrun.engine.RunEngine` with
-the rank contract its subclass builds (:meth:`rank_contract`). Both modes run through the same
-engine: sync watches in this process; deferrable watches here for ``defer_after`` seconds and then
-in the triggerer, and the trigger's event carries everything the re-entry needs.
+(settings frozen in ``__init__``). A try (:mod:`~airflow_torchrun.operators.one_try`) composes a
+:class:`~airflow_torchrun.engine.RunEngine` with the rank contract the subclass builds
+(:meth:`GroupOperator.rank_contract`), in sync and deferrable mode alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from airflow_torchrun.backends import DEFAULT_BACKEND, backend_class
+from airflow_torchrun.backends import DEFAULT_BACKEND
 from airflow_torchrun.backends.base import BackendOptions
 from airflow_torchrun.compat import AirflowFailException, BaseOperator, conf
-from airflow_torchrun.errors import InvalidSpecError, TorchrunError
+from airflow_torchrun.errors import StorageError
+from airflow_torchrun.operators import one_try
 from airflow_torchrun.operators.contracts import GroupContract, TaskIO
-from airflow_torchrun.operators.policy import under_policy
 from airflow_torchrun.settings import (
     DEFAULT_DEFER_AFTER,
     DEFAULT_PREFLIGHT_BUDGET,
     CheckpointSettings,
     LaunchOptions,
     RunSettings,
+    default_nproc,
     exit_codes,
     flag,
+    resolved_script,
     validate_task,
 )
 from airflow_torchrun.spec import (
@@ -36,15 +37,13 @@ from airflow_torchrun.spec import (
     GroupSpec,
     is_templated,
 )
+from airflow_torchrun.storage.uri import one_conn_id
 from airflow_torchrun.watch import DEFAULT_ERROR_BUDGET
 
 if TYPE_CHECKING:
-    from airflow_torchrun.backends.base import Backend
-    from airflow_torchrun.backends.handles import GroupHandle
     from airflow_torchrun.compat import Context
-    from airflow_torchrun.engine import Launches, RunEngine
+    from airflow_torchrun.engine import RunEngine
     from airflow_torchrun.operators.contracts import RankContract
-    from airflow_torchrun.watch import Verdict
 
 
 class GroupOperator(BaseOperator):
@@ -100,7 +99,7 @@ class GroupOperator(BaseOperator):
         self._problems: list[str] = []
         # What runs, on how many agents, where: templated fields, checked again once rendered.
         self.backend = backend or conf.get("torchrun", "default_backend", fallback=DEFAULT_BACKEND)
-        self.script = self._resolve_script(script)
+        self.script = resolved_script(self.backend, script, self.dag.fileloc if self.has_dag() else None)
         self.command = list(command) if command is not None else None
         self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
         self.env = dict(env) if isinstance(env, Mapping) else env
@@ -173,20 +172,12 @@ class GroupOperator(BaseOperator):
         return ()
 
     def storage_conn_id(self) -> str | None:
-        """The AWS connection of the task's storage: ``aws_conn_id``, else the one its URIs name
-        (``s3://<conn_id>@bucket/...``, as ``ObjectStoragePath`` writes it). Two different ones: refused."""
-        from airflow_torchrun.storage.uri import split_conn_id
-
-        named = {split_conn_id(u)[0] for u in self.storage_uris() if isinstance(u, str) and not is_templated(u)}
-        named.discard(None)
-        if self.aws_conn_id:
-            named.add(self.aws_conn_id)
-        if len(named) > 1:
-            raise AirflowFailException(
-                f"{self._where}: the storage URIs and aws_conn_id name different connections "
-                f"({', '.join(sorted(str(n) for n in named))}); name one"
-            )
-        return next(iter(named), None)
+        """The AWS connection of the task's storage (:func:`~airflow_torchrun.storage.uri.one_conn_id`)."""
+        uris = [u for u in self.storage_uris() if isinstance(u, str) and not is_templated(u)]
+        try:
+            return one_conn_id(uris, self.aws_conn_id)
+        except StorageError as exc:
+            raise AirflowFailException(f"{self._where}: {exc}") from exc
 
     def task_backend_options(self) -> BackendOptions:
         """What the backend takes from the task; the task's ``execution_timeout`` is the Job's own deadline."""
@@ -220,32 +211,13 @@ class GroupOperator(BaseOperator):
         assert spec is not None  # validate_task raises whenever the spec could not be made
         return spec
 
-    def _backend_class(self) -> type[Backend[Any]] | None:
-        try:
-            return None if is_templated(self.backend) else backend_class(self.backend)
-        except ValueError:  # an unknown backend: the spec lists it
-            return None
-
-    def _resolve_script(self, script: str | None) -> str | None:
-        cls = self._backend_class()
-        if cls is None or not isinstance(script, str) or is_templated(script):
-            return script
-        return cls.resolve_script(script, self.dag.fileloc if self.has_dag() else None)
-
     def _make_spec(self, *, allow_templates: bool) -> GroupSpec:
-        script = self.script if allow_templates else self._resolve_script(self.script)
+        dag_file = self.dag.fileloc if self.has_dag() else None
         nproc = self.nproc_per_node
-        cls = self._backend_class()
-        if nproc is None:
-            nproc = (
-                1
-                if cls is None or is_templated(self.runtime)
-                else cls.default_nproc_per_node(self.runtime, self._where)
-            )
         return GroupSpec.create(
             num_nodes=self.num_nodes,
-            nproc_per_node=nproc,
-            script=script,
+            nproc_per_node=default_nproc(self.backend, self.runtime, self._where) if nproc is None else nproc,
+            script=self.script if allow_templates else resolved_script(self.backend, self.script, dag_file),
             command=self.command,
             script_args=self.script_args,
             env=self.env,
@@ -256,90 +228,12 @@ class GroupOperator(BaseOperator):
             allow_templates=allow_templates,
         )
 
-    # -- running ------------------------------------------------------------------------------
-    def _engine_for(
-        self, context: Context, spec: GroupSpec, backend: Backend[Any], state: dict[str, Any] | None = None
-    ) -> RunEngine:
-        """The engine of this try, with its rank contract (resolved anew for every launch)."""
-        from airflow_torchrun.engine import RunEngine
-
-        io = TaskIO(
-            context=context,
-            where=self._where,
-            log=self.log,
-            backend=backend,
-            preflight_budget=float(self.run_settings.preflight_budget),
-            aws_conn_id=self.storage_conn_id(),
-            storage_options=self.storage_options,
-        )
-        engine = RunEngine.for_try(
-            context, backend, spec, self.run_settings, self.rank_contract(io, state), self.log, killed=self._killed
-        )
-        self._engine = engine
-        return engine
-
-    def _rendered_spec(self) -> GroupSpec:
-        try:
-            return self.group_spec()
-        except InvalidSpecError as exc:
-            raise AirflowFailException(str(exc)) from exc
-
+    # -- running (one try: operators/one_try.py) ------------------------------------------------
     def execute(self, context: Context) -> Any:
-        from airflow_torchrun.backends.base import backend_for_task
-
-        spec = self._rendered_spec()
-        engine = self._engine_for(context, spec, backend_for_task(spec.backend, self.task_backend_options()))
-        return self._drive(engine, context, engine.start)
+        return one_try.start(self, context)
 
     def execute_complete(self, context: Context, event: dict[str, Any], **_: Any) -> Any:
-        """Re-entry after the trigger fired: everything rebuilt from the event, then as sync mode goes on."""
-        from airflow_torchrun.backends.base import backend_from_handle
-        from airflow_torchrun.triggers import GroupEvent
-
-        group_event = GroupEvent.from_payload(event)
-        handle, carry = group_event.handle, group_event.carry
-        backend = backend_from_handle(handle)
-        self.log.info("Group %s: trigger reported %s", handle.group_id, group_event.status.value)
-        try:
-            spec = self._rendered_spec()  # the DAG or a runtime may have changed meanwhile
-        except BaseException:
-            backend.teardown(handle)  # whatever the trigger saw, nothing may run on unwatched
-            raise
-        engine = self._engine_for(context, spec, backend, dict(carry.get("contract") or {}))
-        engine.handle = handle
-        launches = engine.restore(carry)
-        return self._drive(
-            engine, context, lambda: (handle, launches), verdict=group_event.verdict(), seen=group_event.seen
-        )
-
-    def _drive(
-        self,
-        engine: RunEngine,
-        context: Context,
-        begin: Callable[[], tuple[GroupHandle, Launches]],
-        verdict: Verdict | None = None,
-        seen: Mapping[str, Any] | None = None,
-    ) -> Any:
-        """Watch the group ``begin`` launched (or the trigger handed back, with its ``verdict``) to
-        its end, and conclude."""
-        try:
-            handle, launches = begin()
-            engine.deadline = engine.deadline_of(context, self.execution_timeout, handle.launched_at)
-            handle, verdict = engine.drive(handle, launches, verdict=verdict, seen=seen, defer=self._deferring(engine))
-        except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
-            raise under_policy(exc, self._where) from exc
-        return engine.conclude(handle, verdict)
-
-    def _deferring(self, engine: RunEngine) -> Callable[[GroupHandle, Launches], NoReturn] | None:
-        """Deferrable mode: hand the group to the trigger (``defer`` raises; the task re-enters later)."""
-        if not self.run_settings.deferrable:
-            return None
-
-        def defer(handle: GroupHandle, launches: Launches) -> NoReturn:
-            self.defer(trigger=engine.trigger(handle, launches), method_name="execute_complete")
-            raise AssertionError("defer() returned")  # pragma: no cover - defer always raises
-
-        return defer
+        return one_try.resume(self, context, event)
 
     def on_kill(self) -> None:
         """Task cleared, marked failed, or timed out in the UI: stop the whole group (or, before it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -63,6 +63,20 @@ def split_conn_id(uri: str) -> tuple[str | None, str]:
             "connection id (letters, digits, '_', '.', '-')"
         )
     return conn, f"{scheme}://{bucket}{slash}{tail}"
+
+
+def one_conn_id(uris: Iterable[str], aws_conn_id: str | None) -> str | None:
+    """The one AWS connection of a task's storage: ``aws_conn_id``, else the one its URIs name
+    (``s3://<conn_id>@bucket/...``, as ``ObjectStoragePath`` writes it). Two different ones: a
+    :class:`StorageError` that names both."""
+    named = {conn for conn, _ in map(split_conn_id, uris) if conn is not None}
+    if aws_conn_id:
+        named.add(aws_conn_id)
+    if len(named) > 1:
+        raise StorageError(
+            f"the storage URIs and aws_conn_id name different connections ({', '.join(sorted(named))}); name one"
+        )
+    return next(iter(named), None)
 
 
 def parse_uri(uri: str) -> CheckpointLocation:
