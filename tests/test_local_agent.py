@@ -237,3 +237,30 @@ def test_a_second_sigterm_does_not_cut_the_agents_shutdown_short(tmp_path: Path)
     assert saved_at_exit, out[-3000:]
     assert "During handling of the above exception" not in out, out[-3000:]
     assert "SignalException" in out and proc.returncode == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_ranks_traceback_is_logged_without_importing_dynamo() -> None:
+    """torchrun logs a forked rank's failure with its exception, and torch's log formatter imports
+    ``torch._dynamo`` (sympy, inductor: 1.5 s) to format one: every agent of a failed group spent
+    that before its exit, and "rank death -> every process gone" went from 0.3 s to 1.9 s
+    (bench/bench_group.py). The agent formats the traceback itself; the log reads the same."""
+    code = textwrap.dedent(
+        """
+        import logging, sys
+        from torch.distributed import run  # torch's log handlers, as the agent has them
+        from airflow_torchrun.backends.local import agent
+        agent._tracebacks_without_dynamo()
+        try:
+            raise RuntimeError("process 0 terminated with exit code 1")
+        except RuntimeError:
+            logging.getLogger("torch.distributed.elastic.multiprocessing.api").exception("failed (exitcode: %s)", 1)
+        print("dynamo imported:", "torch._dynamo" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "dynamo imported: False" in done.stdout
+    lines = done.stderr.splitlines()
+    assert any(re.search(r"^E\d{4} .*\] failed \(exitcode: 1\)$", line) for line in lines)
+    assert any(line.endswith("] Traceback (most recent call last):") for line in lines), done.stderr
+    assert any(line.endswith("] RuntimeError: process 0 terminated with exit code 1") for line in lines), done.stderr

@@ -25,6 +25,10 @@ its node's supervisor) broke off its wait for the workers it had just signalled:
 running, unwaited, with a second traceback. The first signal still stops the agent as torchrun's
 does; the teardown's SIGKILL after its grace still ends whatever does not stop.
 
+And a logged exception's traceback is formatted by the standard library, not by torch's log
+formatter, which imports ``torch._dynamo`` for it (1.5 s, each time a forked rank fails): the lines
+read the same.
+
 Only the local backend runs it (its Python is this package's); a Kubernetes pod runs
 ``torch.distributed.run`` as the image has it.
 """
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
 
     _stop_once()
+    _tracebacks_without_dynamo()
     _hold_the_store_for_the_exit_barrier()
     _fork_our_ranks()
     sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
@@ -87,6 +92,31 @@ def _stop_once() -> None:
 
     # torchrun installs it when its workers start, by this module-level name.
     api._terminate_process_handler = first_only
+
+
+class _PlainTraceback(logging.Filter):
+    """Formats a record's exception into its message with the standard library, before torch's
+    formatter sees it; a process that has imported ``torch._dynamo`` already is left as it is."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "torch._dynamo" not in sys.modules:
+            record.msg = f"{record.getMessage()}\n{self._formatter.formatException(record.exc_info)}"
+            record.args = None
+            record.exc_info = None
+        return True
+
+
+def _tracebacks_without_dynamo() -> None:
+    """torch's log formatter imports ``torch._dynamo`` (sympy and inductor with it: 1.5 s of CPU) to
+    format any record that carries an exception, and torchrun logs one the moment a forked rank
+    fails: each agent of a failed group spent that long before its exit, which everything after a
+    rank's death waits for. The traceback reads the same, formatted here."""
+    for name in ("torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _PlainTraceback) for f in handler.filters):
+                handler.addFilter(_PlainTraceback())
 
 
 def _fork_our_ranks() -> None:
