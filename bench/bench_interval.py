@@ -89,9 +89,12 @@ class Injector:
 
 
 def rank_pid(tag: str, rank: str) -> int | None:
-    """The pid of the training process of ``rank`` in the run ``tag`` (torchrun sets ``LOCAL_RANK``
-    for its workers only, so the agent is never taken for a rank)."""
-    want = {f"{MARK}={tag}".encode(), f"RANK={rank}".encode()}
+    """The pid of the training process of ``rank`` in the run ``tag``: a process with the run's mark
+    whose rank the local backend's own record gives (an exec'd rank's ``RANK`` and ``LOCAL_RANK``, or
+    the record of the ranks its agent forked: ``procs.ranks_of``), so an agent is never taken for a rank."""
+    from airflow_torchrun.backends.local.procs import ranks_of
+
+    mark = f"{MARK}={tag}".encode()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -99,7 +102,7 @@ def rank_pid(tag: str, rank: str) -> int | None:
             environ = set(Path(f"/proc/{name}/environ").read_bytes().split(b"\0"))
         except OSError:
             continue
-        if want <= environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+        if mark in environ and (found := ranks_of(int(name))) is not None and found[0] == int(rank):
             return int(name)
     return None
 

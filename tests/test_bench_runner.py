@@ -328,6 +328,36 @@ def _fake_process(tag: str, env: dict[str, str]):
 
 
 @pytest.mark.slow  # starts processes
+def test_the_interval_bench_finds_a_forked_rank_by_its_agents_record(tmp_path):
+    """A forked rank's environment is its agent's (no ``RANK``): the injector found none, and the
+    interval bench's runs met no failure at all (``kills: 0`` in every run of 2026-12-05's first
+    make bench after the ranks were forked)."""
+    import json
+    import time
+
+    import bench_interval
+
+    from airflow_torchrun.contract.launch import RANKS_FILE_VAR
+
+    ranks = tmp_path / "ranks.json"
+    agent = _fake_process("run-f", {RANKS_FILE_VAR: str(ranks)})
+    rank1 = _fake_process("run-f", {RANKS_FILE_VAR: str(ranks)})
+    rank0 = _fake_process("run-f", {RANKS_FILE_VAR: str(ranks)})
+    try:
+        ranks.write_text(json.dumps({str(rank1.pid): [1, 0], str(rank0.pid): [0, 0]}))
+        deadline = time.monotonic() + 10
+        while bench_interval.rank_pid("run-f", "1") != rank1.pid and time.monotonic() < deadline:
+            time.sleep(0.05)  # until its environment is readable
+        assert bench_interval.rank_pid("run-f", "1") == rank1.pid
+        assert bench_interval.rank_pid("run-f", "0") == rank0.pid
+        assert bench_interval.rank_pid("run-f", "2") is None
+    finally:
+        for p in (agent, rank1, rank0):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow  # starts processes
 def test_the_interval_bench_kills_rank_1_of_its_run_only_never_its_agent():
     import time
 
