@@ -202,7 +202,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each policy (interleaved)")
     parser.add_argument("--mtbf", type=float, default=25.0, help="mean seconds between injected kills")
     parser.add_argument("--fixed", default="5,400", help="fixed intervals to compare with, in steps")
-    parser.add_argument("--epochs", type=int, default=40, help="trainer epochs (22 steps each at 2 ranks)")
+    # Long enough that a run meets failures at the default MTBF: with forked ranks 40 epochs took about 25 s,
+    # and most runs of a repeat met none.
+    parser.add_argument("--epochs", type=int, default=100, help="trainer epochs (22 steps each at 2 ranks)")
     parser.add_argument("--hidden", type=int, default=1024, help="trainer width: a save's cost grows with it")
     parser.add_argument("--seed", type=int, default=24, help="seed of the failure times")
     parser.add_argument("--json", metavar="PATH", help="also write the report rows (bench/rows.py) to PATH")
