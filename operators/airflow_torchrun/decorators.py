@@ -163,10 +163,10 @@ def json_problems(value: Any, where: str, *, allow_templates: bool) -> list[str]
 def _entry_command(backend: object) -> list[str]:
     """torchrun runs it with --no-python: the backend's interpreter (this one locally, the image's
     ``python`` elsewhere; for a templated backend, ``python`` until it is rendered)."""
-    from airflow_torchrun.backends import backend_class, backend_names
+    from airflow_torchrun.settings import known_backend
 
-    python = backend_class(backend).python if isinstance(backend, str) and backend in backend_names() else "python"
-    return [python, "-m", FUNCTION_ENTRY]
+    cls = known_backend(backend)
+    return [cls.python if cls is not None else "python", "-m", FUNCTION_ENTRY]
 
 
 class TorchrunDecoratedOperator(DecoratedOperator, DistributedTrainingOperator):

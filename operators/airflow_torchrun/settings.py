@@ -232,9 +232,9 @@ def validate_task(
     if checkpoint is not None:
         problems += checkpoint_problems(checkpoint)
     problems += tracking_uri_problems(tracking_uri)
-    if not is_templated(backend) and backend in backend_names():
+    if (cls := known_backend(backend)) is not None:
         uri = checkpoint.checkpoint_uri if checkpoint is not None else None
-        problems += backend_class(backend).task_problems(
+        problems += cls.task_problems(
             checkpoint_uri=uri if isinstance(uri, str) and not is_templated(uri) else None,
             default_checkpoint_base=checkpoint.default_base if checkpoint is not None and uri is None else None,
             tracking_uri=tracking_uri,
@@ -245,20 +245,16 @@ def validate_task(
     return spec
 
 
-def _known(name: object) -> type[Backend[Any]] | None:
-    """The class of a backend named outright (None for a template or an unknown name: the spec lists that)."""
-    if not isinstance(name, str) or is_templated(name):
-        return None
-    try:
-        return backend_class(name)
-    except ValueError:
-        return None
+def known_backend(name: object) -> type[Backend[Any]] | None:
+    """The class of the backend ``name`` names outright; None for a template or a name no backend
+    has (the spec lists that), so a check that needs the backend waits for the rendered value."""
+    return backend_class(name) if isinstance(name, str) and name in backend_names() else None
 
 
 def resolved_script(backend: object, script: str | None, dag_file: str | None) -> str | None:
     """``script=`` as the backend finds it (a relative path beside the DAG file, for the local backend);
     a template or a task whose backend is not known yet keeps it as written."""
-    cls = _known(backend)
+    cls = known_backend(backend)
     if cls is None or not isinstance(script, str) or is_templated(script):
         return script
     return cls.resolve_script(script, dag_file)
@@ -266,5 +262,5 @@ def resolved_script(backend: object, script: str | None, dag_file: str | None) -
 
 def default_nproc(backend: object, runtime: str | None, where: str) -> int:
     """Ranks per node for a task that names none: the backend's answer for its runtime, 1 until known."""
-    cls = _known(backend)
+    cls = known_backend(backend)
     return 1 if cls is None or is_templated(runtime) else cls.default_nproc_per_node(runtime, where)

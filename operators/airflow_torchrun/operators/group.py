@@ -99,7 +99,7 @@ class GroupOperator(BaseOperator):
         self._problems: list[str] = []
         # What runs, on how many agents, where: templated fields, checked again once rendered.
         self.backend = backend or conf.get("torchrun", "default_backend", fallback=DEFAULT_BACKEND)
-        self.script = resolved_script(self.backend, script, self.dag.fileloc if self.has_dag() else None)
+        self.script = resolved_script(self.backend, script, self._dag_file)
         self.command = list(command) if command is not None else None
         self.script_args = list(script_args) if not isinstance(script_args, str) else script_args
         self.env = dict(env) if isinstance(env, Mapping) else env
@@ -211,13 +211,16 @@ class GroupOperator(BaseOperator):
         assert spec is not None  # validate_task raises whenever the spec could not be made
         return spec
 
+    @property
+    def _dag_file(self) -> str | None:
+        return self.dag.fileloc if self.has_dag() else None
+
     def _make_spec(self, *, allow_templates: bool) -> GroupSpec:
-        dag_file = self.dag.fileloc if self.has_dag() else None
         nproc = self.nproc_per_node
         return GroupSpec.create(
             num_nodes=self.num_nodes,
             nproc_per_node=default_nproc(self.backend, self.runtime, self._where) if nproc is None else nproc,
-            script=self.script if allow_templates else resolved_script(self.backend, self.script, dag_file),
+            script=self.script if allow_templates else resolved_script(self.backend, self.script, self._dag_file),
             command=self.command,
             script_args=self.script_args,
             env=self.env,
