@@ -47,8 +47,9 @@ from job import first_steps, job_events
 from rows import Samples, row, write_json
 from stats import RepeatRule, mean_interval
 
+from airflow_torchrun.contract.launch import RANK_START_VAR
+
 ROOT = Path(__file__).resolve().parent.parent
-RANK_START_VAR = "AIRFLOW_TORCHRUN_RANK_START"  # airflow_torchrun.contract.launch's, for the task's env
 SIDES = ("bare", "ours", "ours, exec")
 JOB = Path(__file__).resolve().parent / "job.py"
 WORK = Path(tempfile.mkdtemp(prefix="bench-group-"))

@@ -113,9 +113,10 @@ def _tracebacks_without_dynamo() -> None:
     format any record that carries an exception, and torchrun logs one the moment a forked rank
     fails: each agent of a failed group spent that long before its exit, which everything after a
     rank's death waits for. The traceback reads the same, formatted here."""
-    for name in ("torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _PlainTraceback) for f in handler.filters):
+    loggers = logging.root.manager.loggerDict.items()  # PlaceHolders (no logger made yet) have no handlers
+    for logger_ in [logging.getLogger("torch"), *(v for k, v in loggers if k.startswith("torch."))]:
+        for handler in getattr(logger_, "handlers", ()):
+            if not any(isinstance(f, _PlainTraceback) for f in handler.filters):  # a handler two loggers share
                 handler.addFilter(_PlainTraceback())
 
 
