@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.fernet import Fernet
 
 from tests import durations, process_guard
 from tests.chaos import matrix
@@ -60,6 +61,10 @@ os.environ.update(
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__TORCHRUN__STATE_DIR": str(STATE_DIR),
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+        # One fernet key for every process of the session. Without it this process (config loaded while
+        # the home had no airflow.cfg) has none, and reads back as ciphertext the Variables that an
+        # `airflow` command run meanwhile (which writes airflow.cfg with a new key) encrypted.
+        "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
         # Tests start many small groups on 2 cores: keep torch from oversubscribing.
         "OMP_NUM_THREADS": "1",
     }

@@ -477,3 +477,67 @@ def test_a_worker_killed_by_a_signal_python_has_no_name_for_is_reported_by_numbe
             watch.ended(readable)
     killed = {o["pid"]: o for o in watch.outcomes}[pids["killed"]]
     assert (killed["exit_code"], killed["signal"]) == (-sig, f"signal {sig}")
+
+
+def _group_of_sleepers(tmp_path, seconds):
+    """A group directory whose node 0 is a supervisor (here a sleeping process) still running and
+    whose node 1 has its outcome on disk: what the watch pauses on between two looks."""
+    from airflow_torchrun.backends.handles import LocalHandle
+
+    group_dir = tmp_path / "groups" / "g"
+    for n in (0, 1):
+        (group_dir / f"node-{n}").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+    (group_dir / "node-0" / "supervisor.json").write_text(json.dumps({"pid": sleeper.pid}))
+    (group_dir / "node-1" / "supervisor.json").write_text(json.dumps({"pid": os.getpid()}))
+    (group_dir / "node-1" / "exit.json").write_text(json.dumps({"returncode": 0}))
+    handle = LocalHandle(
+        group_id="g",
+        num_nodes=2,
+        world_size=2,
+        launched_at=time.time(),
+        startup_timeout=60,
+        teardown_grace=3,
+        group_dir=str(group_dir),
+        master_port=29500,
+    )
+    return LocalBackend(tmp_path), handle, sleeper
+
+
+def test_the_watchs_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
+    """The last look of a finished group comes when its supervisors exit, not up to poll_interval
+    later (issue 26: exited -> verdict). A node already done (node 1 here, whose recorded pid is
+    this test's, which never exits) is not waited on."""
+    backend, handle, sleeper = _group_of_sleepers(tmp_path, 1.0)
+    try:
+        started = time.monotonic()
+        backend.pause(handle, 120.0)
+        assert time.monotonic() - started < 60, "the pause slept its whole time instead of waking on the exit"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # Nothing left running: a pause is a plain sleep of its length (and gives its pidfds back).
+    fds_before = len(os.listdir("/proc/self/fd"))
+    started = time.monotonic()
+    backend.pause(handle, 0.3)
+    assert time.monotonic() - started >= 0.29
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_the_triggers_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
+    import asyncio
+
+    backend, handle, sleeper = _group_of_sleepers(tmp_path, 1.0)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    try:
+        started = time.monotonic()
+        asyncio.run(backend.pause_async(handle, 120.0))
+        assert time.monotonic() - started < 60, "the pause slept its whole time instead of waking on the exit"
+        sleeper.wait(5)
+        started = time.monotonic()
+        asyncio.run(backend.pause_async(handle, 0.3))
+        assert time.monotonic() - started >= 0.29
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(os.listdir("/proc/self/fd")) <= fds_before

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import secrets
 
-from airflow_torchrun.naming import DEFAULT_DEPLOYMENT
+from airflow_torchrun.errors import InvalidSpecError
+from airflow_torchrun.naming import DEFAULT_DEPLOYMENT, is_label_value
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,30 @@ def deployment_name(*, create: bool = True) -> str:
                 DEFAULT_DEPLOYMENT,
             )
         return DEFAULT_DEPLOYMENT
-    return str(stored) if stored else DEFAULT_DEPLOYMENT
+    return _checked(stored)
+
+
+def _checked(stored: object) -> str:
+    """The name the Variable holds, refused (nothing launched) when it cannot be one."""
+    if not stored:
+        return DEFAULT_DEPLOYMENT
+    name = str(stored)
+    if is_label_value(name):
+        return name
+    why = (
+        "it looks encrypted with a fernet key this process does not have: give every Airflow process of this "
+        "deployment the same [core] fernet_key"
+        if name.startswith("gAAAA")
+        else "it must be a Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', starting and "
+        "ending with a letter or digit"
+    )
+    raise InvalidSpecError(
+        [
+            f"the Variable {DEPLOYMENT_VARIABLE} (this deployment's identity) holds {name[:80]!r}, which is not a "
+            f"name: {why}; or set [torchrun] deployment (AIRFLOW__TORCHRUN__DEPLOYMENT) to this deployment's name"
+        ],
+        "this Airflow deployment",
+    )
 
 
 def stored_deployment_name() -> str:
@@ -86,4 +110,4 @@ def stored_deployment_name() -> str:
     except Exception as exc:  # no metadata database here
         log.debug("Variable %s not readable here (%s)", DEPLOYMENT_VARIABLE, exc)
         stored = None
-    return str(stored) if stored else DEFAULT_DEPLOYMENT
+    return _checked(stored)

@@ -7,7 +7,9 @@ loop written once, as a generator that yields what to do next (:class:`Look` at 
 lines drive it: :func:`watch_sync` in the worker (the operator's sync mode, and the first
 ``defer_after`` seconds of a deferrable task) and :func:`watch_async` in the triggerer, which looks
 through the backend's async client. So both modes keep waiting, time out, tolerate a flaky API
-and give up identically: the executors only do what the flow asks.
+and give up identically: the executors only do what the flow asks. Both pause through the backend
+(``Backend.pause``), which may end a pause early: the local backend wakes when a node's supervisor
+exits, so a finished group is seen at once rather than up to ``poll_interval`` later.
 
 Decisions:
 - the group is terminal (succeeded, failed, could not start within ``startup_timeout``);
@@ -28,7 +30,7 @@ step)``), and a warning when data starvation or a straggler sets in (and a line 
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -414,10 +416,13 @@ def watch_sync(
     after_look: Callable[[], None] = lambda: None,
     until: float | None = None,
     clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
 ) -> Verdict | None:
     """Drive :func:`watch_flow` in this process. ``after_look`` runs after every look, before its
-    notes: it raises when the task was killed meanwhile (what that look saw is the kill's doing)."""
+    notes: it raises when the task was killed meanwhile (what that look saw is the kill's doing).
+    Pauses are the backend's (:meth:`~airflow_torchrun.backends.base.Backend.pause`: cut short when
+    the group changes) unless ``sleep`` is given."""
+    pause = sleep or functools.partial(backend.pause, handle)
     flow, reply = watch_flow(watch, clock=clock, until=until), None
     while True:
         try:
@@ -429,7 +434,7 @@ def watch_sync(
             reply = look(backend, handle, mark=step.mark)
             after_look()
         elif isinstance(step, Pause):
-            sleep(step.seconds)
+            pause(step.seconds)
         else:
             emit(step)
 
@@ -454,7 +459,7 @@ async def watch_async(
         if isinstance(step, Look):
             reply = await look_async(backend, handle, mark=step.mark)
         elif isinstance(step, Pause):
-            await asyncio.sleep(step.seconds)
+            await backend.pause_async(handle, step.seconds)
         else:
             emit(step)
 

@@ -83,6 +83,37 @@ def test_a_bad_deployment_name_is_refused() -> None:
         KubernetesBackend(namespace=NS, deployment="prod eu", runtimes=BUILTIN_RUNTIMES)
 
 
+@pytest.mark.parametrize(
+    ("stored", "told"),
+    [
+        # What a process without the deployment's fernet key reads (Airflow's NullFernet hands back the
+        # ciphertext): seen when a test process loaded its config before an `airflow` command wrote a key.
+        (
+            "gAAAAABrE6onBoxXxNF7sqNRHUZuO0a8eZg0FzvwmcXPa04P-8p4H5B1nBDN-dp417KPp9zBTe95R0t5Gc2rkeAYxndNcWRgrw==",
+            "fernet_key",
+        ),
+        ("prod eu", "must be a Kubernetes label value"),
+    ],
+)
+def test_a_stored_deployment_name_that_is_no_name_is_refused_naming_the_variable(
+    stored: str, told: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Variable the deployment keeps its name in is data a user (or a key mismatch) can change:
+    what it holds is checked where it is read, and the error names the Variable, not the config option."""
+    from airflow.models.variable import Variable as StoredVariable
+    from airflow.sdk import Variable
+
+    from airflow_torchrun.deployment import DEPLOYMENT_VARIABLE, deployment_name, stored_deployment_name
+
+    monkeypatch.delenv("AIRFLOW__TORCHRUN__DEPLOYMENT", raising=False)
+    monkeypatch.setattr(Variable, "get", staticmethod(lambda key, default=None: stored))
+    monkeypatch.setattr(StoredVariable, "get", staticmethod(lambda key, default_var=None: stored))
+    for read in (deployment_name, stored_deployment_name):
+        with pytest.raises(InvalidSpecError, match=DEPLOYMENT_VARIABLE) as raised:
+            read()
+        assert told in str(raised.value) and "[torchrun] deployment" in str(raised.value)
+
+
 def test_teardown_deletes_only_the_job_it_launched(fake_api: FakeKubeAPI, kubeconfig: Path) -> None:
     """Someone deleted our Job and made another of the same name: the teardown's uid precondition
     fails (409) and the other Job survives; the teardown still counts as done."""

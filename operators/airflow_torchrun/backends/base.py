@@ -14,6 +14,7 @@ so callers never probe with ``getattr``. ``Backend[H]`` is generic on its typed 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -222,6 +223,14 @@ class Backend(Protocol[H]):
 
     async def teardown_async(self, handle: H) -> None:
         await asyncio.to_thread(self.teardown, handle)
+
+    def pause(self, handle: H, seconds: float) -> None:
+        """Wait ``seconds`` before the watch's next look; a backend that can tell when the group
+        changes (a node's process exited) returns as soon as it does."""
+        time.sleep(seconds)
+
+    async def pause_async(self, handle: H, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     def find_existing(self, identity: GroupIdentity, spec: GroupSpec | None = None) -> H | None:
         """A live group of an earlier try of this task instance to attach to (none by default)."""
