@@ -73,9 +73,10 @@ check: lint
 # TEST_WORKERS (4) pytest-xdist workers: on 2 cores, because most tests wait (for a group, a
 # standalone, a server restarting) as much as they compute. Measured on one machine, 2026-12-05: 2
 # workers 1572 s, 4 workers 1324 s, both cores at least 85% busy (15 s samples) until the last
-# minute. Tests that share a module's airflow standalone (or another costly fixture) stay on one worker (xdist_group, tests/conftest.py); each worker has its own
-# Airflow home, state dir and servers. TEST_WORKERS=0 runs it in this one process. The e2e suite
-# against the real cluster runs apart (make e2e-k8s): it needs make cluster.
+# minute. Tests that share a module's airflow standalone (or another costly fixture) stay on one
+# worker (xdist_group, tests/conftest.py); each worker has its own Airflow home, state dir and
+# servers. TEST_WORKERS=0 runs it in this one process. The e2e suite against the real cluster runs
+# apart (make e2e-k8s): it needs make cluster.
 TEST_WORKERS ?= 4
 test: lint
 	$(VENV)/bin/pytest -q --durations=10 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) --ignore=tests/e2e_k8s $(PYTEST_ARGS)
