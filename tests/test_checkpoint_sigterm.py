@@ -269,3 +269,60 @@ def test_async_saves_and_the_stop_flag_do_not_deadlock(tmp_path: Path) -> None:
     total, _ = _final(proc.stdout + proc.stderr)
     store = CheckpointStore(f"file://{tmp_path}/async")
     assert store.read_marker(50) and store.read_marker(100) and store.read_marker(total)
+
+
+# Ranks with steps of a fraction of a millisecond: rank 1 alone is signalled at STOP_AT; both count
+# the all-reduces of the stop flag's own group.
+FAST_STEPS = """
+import os, signal, sys, torch, torch.distributed as dist
+from airflow_torchrun.worker import save_if_stopping
+from airflow_torchrun.worker.checkpoint.comm import stop_group
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+reduce, flags = dist.all_reduce, []
+def counted(tensor, *args, group=None, **kwargs):
+    if group is not None and group is stop_group():
+        flags.append(1)
+    return reduce(tensor, *args, group=group, **kwargs)
+dist.all_reduce = counted
+weights = torch.zeros(4)
+for step in range(1, int(sys.argv[1]) + 1):
+    weights += 1
+    if rank == 1 and step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGTERM)
+    print(f"rank {rank} step {step} flags {len(flags)}", flush=True)
+    save_if_stopping(lambda: {"weights": weights.clone()}, step)
+print(f"rank {rank} finished", flush=True)
+"""
+
+
+def test_the_stop_flag_is_agreed_on_without_a_collective_every_step(tmp_path: Path) -> None:
+    """Fast steps are not each held up by the stop flag's all-reduce (it cost the example trainer a
+    quarter of its training time), and a SIGTERM to one rank still makes every rank save the same
+    step, later than the signal, and exit with the "stopped to save" code."""
+    script = tmp_path / "fast_steps.py"
+    script.write_text(FAST_STEPS)
+    steps, stop_at = 4000, 3000
+    proc = subprocess.run(
+        _torchrun_cmd(tmp_path, [str(script), str(steps), str(stop_at)]),
+        env=_env({"TRAIN_CHECKPOINT_URI": f"file://{tmp_path}/ckpt"}),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "finished" not in out, out[-3000:]
+    assert f"exiting with code {STOPPED_TO_SAVE_EXIT_CODE}" in out, out[-3000:]
+    committed = CheckpointStore(f"file://{tmp_path}/ckpt").committed()
+    assert len(committed) == 1, out[-3000:]
+    saved = committed[0].step
+    assert stop_at <= saved < stop_at + 200, saved
+    # Both ranks stepped to the saved step and no further.
+    for rank in (0, 1):
+        last = max(int(m) for m in re.findall(rf"rank {rank} step (\d+) ", out))
+        assert last == saved, (rank, last, saved)
+    # Each step once agreed on: 3000 all-reduces. At most one per 8 steps once the pace is known.
+    flags = max(int(m) for m in re.findall(r"rank 0 step \d+ flags (\d+)", out))
+    assert flags <= saved // 8, (flags, saved)

@@ -31,6 +31,19 @@ class _StopRequest:
     installed: bool = False
     signalled_at: float | None = None  # time.time() of the first SIGTERM
     signum: int | None = None
+    # The flags' all-reduce sent at the last check (its work, its tensor), read at the next one,
+    # on this group (another process group starts the checks over).
+    group: Any = None
+    sent: tuple[Any, torch.Tensor] | None = None
+    skip: int = 0  # calls left before the next check (the same on every rank)
+    every: int = 1  # calls from the last check to the next one
+    checked_at: float | None = None  # time.monotonic() of this rank's last check
+
+
+# The ranks check the flags about this often, every step when a step takes longer, and at least
+# every MAX_CALLS_BETWEEN_CHECKS steps (a pace that slows down after a fast stretch is met soon).
+CHECK_EVERY_S = 0.05
+MAX_CALLS_BETWEEN_CHECKS = 16
 
 
 _STOP = _StopRequest()
@@ -58,18 +71,55 @@ def stop_requested() -> bool:
     return _STOP.signalled_at is not None
 
 
+def _agreed_before(group: Any, mine: int) -> int:
+    """At a check: send this rank's flag with the calls it proposes until the next check (as many
+    as take about :data:`CHECK_EVERY_S` at its pace), and return the ranks' agreement on what they
+    sent at the check before: any flag raised, the fewest calls proposed (0 and a check at the next
+    call after the first one). Between checks: 0. Every rank reads the same agreement at the same
+    call, so every rank checks, and acts, at the same calls: the all-reduces are issued in the
+    same order on one group of their own."""
+    if group is not _STOP.group:
+        _STOP.group, _STOP.sent, _STOP.skip, _STOP.every, _STOP.checked_at = group, None, 0, 1, None
+    if _STOP.skip > 0:
+        _STOP.skip -= 1
+        return 0
+    now = time.monotonic()
+    propose = 1
+    if _STOP.checked_at is not None:
+        pace = max(now - _STOP.checked_at, 1e-9) / _STOP.every
+        propose = max(1, min(MAX_CALLS_BETWEEN_CHECKS, int(CHECK_EVERY_S / pace)))
+    _STOP.checked_at = now
+    # MAX over (flag, -calls): any flag, the fewest calls.
+    tensor = torch.tensor([mine, -propose], dtype=torch.int64)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    sent, _STOP.sent = _STOP.sent, (work, tensor)
+    if sent is None:
+        _STOP.every = 1
+        return 0
+    sent[0].wait()
+    flag, every = int(sent[1][0].item()), -int(sent[1][1].item())
+    _STOP.every, _STOP.skip = every, every - 1
+    return flag
+
+
 def save_if_stopping(state: Mapping[str, Any] | Any, step: int, **save_kwargs: Any) -> None:
     """Call at every step boundary, on every rank: when the group is asked to stop, save and exit.
 
     The first call makes SIGTERM (an eviction or preemption with its grace period, a teardown
-    before a relaunch, the task being killed) only *note* the request. Each call, the ranks agree
-    on one flag (one small collective): if any rank was signalled, every rank saves checkpoint
-    ``step`` (:func:`save_checkpoint`, blocking, marker ``"stopped": true``) and the process exits
-    with :data:`STOPPED_TO_SAVE_EXIT_CODE` (75); the retry or relaunch resumes from that step, so
-    at most the step in progress is lost. ``state``: the state to save, or a callable returning it
-    (only called when saving). A script that never calls it is stopped by SIGTERM as before.
-    The save must finish within the grace period (``teardown_grace`` locally, the runtime's
-    termination grace period on Kubernetes).
+    before a relaunch, the task being killed) only *note* the request. The ranks agree on one flag,
+    one check behind: a check sends this rank's flag (a small all-reduce that runs while training
+    goes on) and reads what the ranks sent at the check before. Checks come about every 50 ms, and
+    at every step when steps are longer (never more than 16 steps apart). Once any rank was
+    signalled, every rank saves checkpoint ``step`` at the same call (:func:`save_checkpoint`,
+    blocking, marker ``"stopped": true``) and the process exits with
+    :data:`STOPPED_TO_SAVE_EXIT_CODE` (75); the retry or relaunch resumes from that step, so no
+    finished step is lost. ``state``: the state to save, or a callable returning it (only called
+    when saving). A script that never calls it is stopped by SIGTERM as before. The save (which
+    comes up to two checks after the signal) must finish within the grace period
+    (``teardown_grace`` locally, the runtime's termination grace period on Kubernetes).
+
+    Waiting for the flags at every step instead cost the example trainer (2 gloo ranks on 2
+    cores, 3 ms steps) a quarter of its training time: 0.53 s of 2.08 s.
     """
     if not _STOP.installed:
         _install_stop_handler()
@@ -77,9 +127,7 @@ def save_if_stopping(state: Mapping[str, Any] | Any, step: int, **save_kwargs: A
     group = stop_group()
     flag = 1 if _STOP.signalled_at is not None else 0
     if group is not None:
-        tensor = torch.tensor([flag], dtype=torch.int32)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-        flag = int(tensor.item())
+        flag = _agreed_before(group, flag)
     if not flag:
         return
     wait_for_checkpoint()
