@@ -341,8 +341,9 @@ class LocalBackend(Backend[LocalHandle]):
                 os.close(fd)
 
     async def pause_async(self, handle: LocalHandle, seconds: float) -> None:
-        """:meth:`pause` on the triggerer's event loop, which watches the pidfds itself."""
-        fds = _running_supervisors(handle)
+        """:meth:`pause` on the triggerer's event loop, which watches the pidfds itself (found off it,
+        like :meth:`observe_async`'s reads)."""
+        fds = await asyncio.to_thread(_running_supervisors, handle)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
 
