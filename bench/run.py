@@ -420,10 +420,13 @@ def chart(report: dict[str, Any], path: Path) -> Path:
 def readme_section(report: dict[str, Any]) -> str:
     """The README's benchmark section: the table of the published report, with its date."""
     machine = report.get("machine") or {}
+    # A report merged from partial runs says which (bench/run.py --from-report): never "make bench".
+    command = str(machine.get("command") or "make bench")
+    how = f"`{command}`" if command == "make bench" else command
     return "\n".join(
         [
             README_BEGIN,
-            f"Measured by `make bench` on {report['date']}, 2 cores shared with other jobs (load average "
+            f"Measured by {how} on {report['date']}, 2 cores shared with other jobs (load average "
             f"{machine.get('load_start', '?')} at the start, {machine.get('load_end', '?')} at the end). "
             f"{noise_summary(report['rows'])} The whole report, with min-max, success rates and where each goal "
             "stands, is [bench/results/report.md](bench/results/report.md); the chart "

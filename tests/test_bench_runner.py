@@ -139,6 +139,18 @@ def test_a_report_is_rendered_again_without_measuring(tmp_path):
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"report.json", "report.md", "report.png"}
 
 
+def test_the_readme_names_the_runs_a_merged_report_came_from():
+    whole = run.assemble(SAMPLE, [], date="2026-12-01", quick=False, machine={"command": "make bench"})
+    assert "Measured by `make bench` on 2026-12-01" in run.readme_section(whole)
+    merged = {
+        **whole,
+        "machine": {"command": "bench/run.py --only bench_group, with the rest from the last make bench"},
+    }
+    section = run.readme_section(merged)
+    assert "Measured by bench/run.py --only bench_group, with the rest from the last make bench on" in section
+    assert "`make bench`" not in section
+
+
 def test_the_chart_is_one_png_with_a_bar_per_row(tmp_path):
     pytest.importorskip("matplotlib")
     report = run.assemble(SAMPLE, [], date="2026-12-01", quick=False)
