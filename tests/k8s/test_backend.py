@@ -223,7 +223,9 @@ def test_preempted_rank_is_reported_as_preemption_even_when_a_peer_fails_first(
 def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_the_group(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:
-    _, handle = launch(backend, startup_timeout=2.5)
+    # Long enough for a look or two before it passes on a loaded machine (at 2.5 s, under 4 xdist
+    # workers, it once passed before the first look: a timeout with no watch to see).
+    _, handle = launch(backend, startup_timeout=6.0)
     job_name = handle.job_name
     fake_api.create_pods(NS, job_name)
     message = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu. preemption: 0/4 nodes are available"
@@ -231,7 +233,7 @@ def test_unschedulable_past_startup_timeout_reports_the_scheduler_and_deletes_th
 
     status = settle(backend, handle, lambda s: s.state.terminal)
     assert status.state is Outcome.STARTUP_TIMEOUT
-    assert "did not start within startup_timeout=2.5s" in status.reason
+    assert "did not start within startup_timeout=6s" in status.reason
     assert f"Unschedulable: {message}" in status.reason
     # Pending pods were watched, not polled in a tight loop: every wait was a watch request.
     watches = [c for c in fake_api.calls if c.is_watch]
