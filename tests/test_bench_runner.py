@@ -441,3 +441,17 @@ def test_a_kubectl_log_timestamp_is_read_to_the_nanosecond():
     line = "2026-12-03T09:01:02.123456789Z [node 0 rank 0] step 1/270"
     assert bench_cluster.timestamp(line) == pytest.approx(1796288462.123456789, abs=1e-6)
     assert bench_cluster.timestamp("2026-12-03T09:01:02Z x") == pytest.approx(1796288462.0)
+
+
+@pytest.mark.slow
+def test_the_cpu_profile_counts_a_commands_processes_by_kind(capsys):
+    """``bench/cpu_profile.py``: a process that burns CPU is counted under its kind (its command line
+    names torchrun, so it is filed with the local nodes' agents), and the command's exit code is kept."""
+    import cpu_profile
+
+    burn = [sys.executable, "-c", "import time; end = time.process_time() + 1.5\nwhile time.process_time() < end: pass"]
+    assert cpu_profile.main(["--every", "0.1", "--", *burn, "torchrun"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| local nodes' agents"))
+    assert float(row.split("|")[2]) >= 1.0, out
+    assert cpu_profile.main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
