@@ -74,10 +74,10 @@ def stop_requested() -> bool:
 def _agreed_before(group: Any, mine: int) -> int:
     """At a check: send this rank's flag with the calls it proposes until the next check (as many
     as take about :data:`CHECK_EVERY_S` at its pace), and return the ranks' agreement on what they
-    sent at the check before: any flag raised, the fewest calls proposed (0 and a check at the next
-    call after the first one). Between checks: 0. Every rank reads the same agreement at the same
-    call, so every rank checks, and acts, at the same calls: the all-reduces are issued in the
-    same order on one group of their own."""
+    sent at the check before: any flag raised, the fewest calls proposed. The first check has
+    nothing to read (0; the next call checks again), nor has a call between checks (0). Every rank
+    reads the same agreement at the same call, so every rank checks, and acts, at the same calls:
+    the all-reduces are issued in the same order on one group of their own."""
     if group is not _STOP.group:
         _STOP.group, _STOP.sent, _STOP.skip, _STOP.every, _STOP.checked_at = group, None, 0, 1, None
     if _STOP.skip > 0:
@@ -97,9 +97,11 @@ def _agreed_before(group: Any, mine: int) -> int:
         _STOP.every = 1
         return 0
     sent[0].wait()
-    flag, every = int(sent[1][0].item()), -int(sent[1][1].item())
+    flag = int(sent[1][0].item())
+    # Bounded whatever a peer sent: every rank computes the same from the same agreement.
+    every = min(MAX_CALLS_BETWEEN_CHECKS, max(1, -int(sent[1][1].item())))
     _STOP.every, _STOP.skip = every, every - 1
-    return flag
+    return 1 if flag else 0
 
 
 def save_if_stopping(state: Mapping[str, Any] | Any, step: int, **save_kwargs: Any) -> None:
