@@ -13,7 +13,7 @@ import logging
 import secrets
 
 from airflow_torchrun.errors import InvalidSpecError
-from airflow_torchrun.naming import DEFAULT_DEPLOYMENT, is_label_value
+from airflow_torchrun.naming import DEFAULT_DEPLOYMENT, LABEL_VALUE_RULE, is_label_value
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ def _checked(stored: object) -> str:
         "it looks encrypted with a fernet key this process does not have: give every Airflow process of this "
         "deployment the same [core] fernet_key"
         if name.startswith("gAAAA")
-        else "it must be a Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', starting and "
-        "ending with a letter or digit"
+        else f"it must be {LABEL_VALUE_RULE}"
     )
     raise InvalidSpecError(
         [

@@ -99,6 +99,12 @@ def label_value(raw: str) -> str:
     return f"{cleaned}-{hashed}" if cleaned else hashed
 
 
+# What :func:`is_label_value` accepts, as the errors that refuse a name say it.
+LABEL_VALUE_RULE = (
+    "a Kubernetes label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+)
+
+
 def is_label_value(raw: str) -> bool:
     return label_value(raw) == raw
 

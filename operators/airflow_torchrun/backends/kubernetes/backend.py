@@ -60,7 +60,7 @@ from airflow_torchrun.backends.kubernetes.runtimes import Runtime, RuntimeCatalo
 from airflow_torchrun.backends.kubernetes.status import preemption_reason
 from airflow_torchrun.deployment import DEPLOYMENT_VARIABLE, deployment_name, stored_deployment_name, torchrun_config
 from airflow_torchrun.errors import InvalidSpecError
-from airflow_torchrun.naming import DEFAULT_DEPLOYMENT, GroupIdentity, is_label_value
+from airflow_torchrun.naming import DEFAULT_DEPLOYMENT, LABEL_VALUE_RULE, GroupIdentity, is_label_value
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import GroupStatus, NodeObservation, ProgressMark
 from airflow_torchrun.wiring import DEFAULT_MASTER_PORT, GroupPlan, plan
@@ -182,10 +182,7 @@ class KubernetesBackend(Backend[KubernetesHandle]):
             problems.append("give config_file or in_cluster=True, not both")
         deployment = deployment or torchrun_config("deployment") or DEFAULT_DEPLOYMENT
         if not is_label_value(deployment):
-            problems.append(
-                f"deployment {deployment!r} ([torchrun] deployment) must be a Kubernetes label value: at most 63 "
-                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
-            )
+            problems.append(f"deployment {deployment!r} ([torchrun] deployment) must be {LABEL_VALUE_RULE}")
         if log_read_limit is not None and (
             isinstance(log_read_limit, bool) or not isinstance(log_read_limit, int) or log_read_limit < 1
         ):
