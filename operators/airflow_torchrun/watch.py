@@ -30,7 +30,6 @@ step)``), and a warning when data starvation or a straggler sets in (and a line 
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -416,13 +415,11 @@ def watch_sync(
     after_look: Callable[[], None] = lambda: None,
     until: float | None = None,
     clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] | None = None,
 ) -> Verdict | None:
     """Drive :func:`watch_flow` in this process. ``after_look`` runs after every look, before its
     notes: it raises when the task was killed meanwhile (what that look saw is the kill's doing).
     Pauses are the backend's (:meth:`~airflow_torchrun.backends.base.Backend.pause`: cut short when
-    the group changes) unless ``sleep`` is given."""
-    pause = sleep or functools.partial(backend.pause, handle)
+    the group changes)."""
     flow, reply = watch_flow(watch, clock=clock, until=until), None
     while True:
         try:
@@ -434,7 +431,7 @@ def watch_sync(
             reply = look(backend, handle, mark=step.mark)
             after_look()
         elif isinstance(step, Pause):
-            pause(step.seconds)
+            backend.pause(handle, step.seconds)
         else:
             emit(step)
 

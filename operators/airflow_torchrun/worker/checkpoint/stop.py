@@ -93,8 +93,7 @@ def _agreed_before(group: Any, mine: int) -> int:
     tensor = torch.tensor([mine, -propose], dtype=torch.int64)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
     sent, _STOP.sent = _STOP.sent, (work, tensor)
-    if sent is None:
-        _STOP.every = 1
+    if sent is None:  # the first check since the reset above: every is 1
         return 0
     sent[0].wait()
     flag = int(sent[1][0].item())
