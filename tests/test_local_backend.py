@@ -326,6 +326,49 @@ def test_a_rank_printing_the_agents_failure_phrase_does_not_fail_a_healthy_group
     assert group_pids(handle.group_id) == []
 
 
+WRITES_LINES_IN_PARTS = textwrap.dedent(
+    """
+    import os, sys, time
+
+    # A line whose end is written later than its start, as Python unbuffered writes a print's text
+    # and its newline apart; and a last line with no end at all.
+    for _ in range(3):
+        print("METRICS loss=5.671374320983887", end="", flush=True)
+        time.sleep(0.3)  # past the tee's look at the file (every 0.1 s)
+        print(" epoch=3", flush=True)
+    os.write(2, b"to stderr, a line in two ")
+    time.sleep(0.3)
+    os.write(2, b"parts\\n")
+    print("the last words, no newline", end="", flush=True)
+    """
+)
+
+
+def test_each_ranks_line_reaches_the_node_log_whole(tmp_path):
+    """CI failure of stop 35: torchrun's tee wrote the part of a line it had read, with its prefix,
+    and the rest later, so another rank's line landed inside it (``loss=5.67[node 0 rank 1] ...``)
+    and a test's parse of the log failed. Each line is now written whole, a line the file ended
+    inside with a newline added."""
+    script = tmp_path / "parts.py"
+    script.write_text(WRITES_LINES_IN_PARTS)
+    backend = LocalBackend(tmp_path / "state")
+    spec = GroupSpec.create(script=str(script), num_nodes=1, nproc_per_node=2, teardown_grace=3)
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    try:
+        status = _terminal(backend, handle, what="the group to end")
+    finally:
+        backend.teardown(handle)
+    assert status.state is Outcome.SUCCEEDED, status
+    log = (Path(handle.group_dir) / "node-0" / "node.log").read_text()
+    for rank in (0, 1):
+        prefix = f"[node 0 rank {rank}]"
+        assert log.count(f"{prefix} METRICS loss=5.671374320983887 epoch=3\n") == 3, log
+        assert f"{prefix} to stderr, a line in two parts\n" in log, log
+        assert f"{prefix} the last words, no newline\n" in log, log
+    ranks_lines = [line for line in log.splitlines() if "METRICS" in line or "parts" in line or "last words" in line]
+    assert all(line.startswith("[node 0 rank ") and line.count("[node") == 1 for line in ranks_lines), log
+
+
 def test_a_rank_saying_address_already_in_use_is_no_port_race(tmp_path):
     """The port race is read from the agent's words (torchrun has no other report of it), and a
     rank's words share node 0's log and, through its error file, the agent's: a rank of node 0 whose

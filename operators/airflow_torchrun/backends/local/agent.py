@@ -25,6 +25,13 @@ its node's supervisor) broke off its wait for the workers it had just signalled:
 running, unwaited, with a second traceback. The first signal still stops the agent as torchrun's
 does; the teardown's SIGKILL after its grace still ends whatever does not stop.
 
+And each rank's line reaches the node's log whole. torchrun's tee reads a rank's output file a
+line at a time and, at its end, writes what it has, so a line whose end was not written yet (Python
+unbuffered writes a ``print``'s text and its newline apart) came out in two, each with its prefix,
+and another rank's line could land between them: ``loss=5.67[node 0 rank 1] ...``. Here a line is
+written once its newline (or ``\r``) is there, its file has ended, or it reached
+``MAX_PARTIAL_LINE`` characters, as a container runtime's log splits a long line.
+
 And a logged exception's traceback is formatted by the standard library, not by torch's log
 formatter, which imports ``torch._dynamo`` for it (1.5 s, each time a forked rank fails): the lines
 read the same.
@@ -41,9 +48,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,8 @@ logger = logging.getLogger(__name__)
 RELEASE_WAIT = 10.0
 _LEFT_KEY = "airflow_torchrun/left_exit_barrier"
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+# The longest part of a line the tee holds back waiting for its end (Docker's and the CRI's size).
+MAX_PARTIAL_LINE = 16 * 1024
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _stop_once()
     _tracebacks_without_dynamo()
+    _whole_lines()
     _hold_the_store_for_the_exit_barrier()
     _fork_our_ranks()
     sys.argv[0] = run.__file__  # its usage and error lines name run.py, as `python -m torch.distributed.run`'s do
@@ -118,6 +130,50 @@ def _tracebacks_without_dynamo() -> None:
         for handler in getattr(logger_, "handlers", ()):
             if not any(isinstance(f, _PlainTraceback) for f in handler.filters):  # a handler two loggers share
                 handler.addFilter(_PlainTraceback())
+
+
+def tail_whole_lines(
+    header: str,
+    file: str,
+    dst: TextIO,
+    finished: threading.Event,
+    interval_sec: float,
+    log_line_filter: Callable[[str], bool] | None = None,
+) -> None:
+    """torchrun's ``tail_logfile`` (same arguments, same prefix per line), but a line is written
+    whole: a part read before its end was written waits for the rest."""
+    while not os.path.exists(file):
+        if finished.is_set():
+            return
+        time.sleep(interval_sec)
+    with open(file, errors="replace") as fp:  # universal newlines: a progress bar's \r ends a line
+        pending = ""
+        while True:
+            ended = finished.is_set()  # before the read: what was written by then, this read gets
+            part = fp.readline()
+            pending += part
+            if not (pending.endswith("\n") or len(pending) >= MAX_PARTIAL_LINE):
+                if part:
+                    continue  # a line's start: its end may be written already
+                if not ended:
+                    time.sleep(interval_sec)
+                    continue
+                if not pending:
+                    return
+                pending += "\n"  # the file ended inside a line
+            if log_line_filter is None or log_line_filter(pending):
+                dst.write(f"{header}{pending}")
+            if ended and not part:
+                return
+            pending = ""
+
+
+def _whole_lines() -> None:
+    """torchrun's tee, writing each rank's line whole (:func:`tail_whole_lines`)."""
+    from torch.distributed.elastic.multiprocessing import tail_log
+
+    # TailLog submits it by this module-level name.
+    tail_log.tail_logfile = tail_whole_lines
 
 
 def _fork_our_ranks() -> None:
