@@ -8,10 +8,11 @@
    interval is within +/- 0.1 s (``--half-width``), or a cap of pairs or seconds is reached
    (``bench/stats.py``); the row says how many pairs it took and why it stopped. Goals: ratio
    <= 1.02 on 2x1, overhead <= 0.15 s at every layout. The operator runs twice per repeat: as a
-   user runs it (its agents fork the ranks, torch already imported) and with
-   ``AIRFLOW_TORCHRUN_RANK_START=exec`` (each rank a new interpreter, as bare torchrun starts
-   them): the first is what a user gets, the second isolates the operator's own fixed cost, the
-   overhead rows' figure and the one the repeat rule follows.
+   user runs it (its agents forked from a zygote, its ranks from their agent, torch imported
+   once) and with ``AIRFLOW_TORCHRUN_RANK_START=exec`` and ``AIRFLOW_TORCHRUN_AGENT_START=exec``
+   (each agent and rank a new interpreter, as bare torchrun starts them): the first is what a user
+   gets, the second isolates the operator's own fixed cost, the overhead rows' figure and the one
+   the repeat rule follows.
 2. Where the time goes, phase by phase, for 2x1 and 2x2: the operator's phases from the try's own
    timeline (XCom ``timeline``, ``airflow_torchrun/timeline.py``), the job's moments (started,
    process group joined, first and last step) from its events file, the same for bare torchrun.
@@ -47,7 +48,7 @@ from job import first_steps, job_events
 from rows import Samples, row, write_json
 from stats import RepeatRule, mean_interval
 
-from airflow_torchrun.contract.launch import RANK_START_VAR
+from airflow_torchrun.contract.launch import AGENT_START_VAR, RANK_START_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("bare", "ours", "ours, exec")
@@ -278,14 +279,20 @@ def operator_phases(timeline: list[dict[str, object]], events: Path, start: floa
 
 
 def through_operator(
-    layout: Layout, steps: int, i: int, rank_start: str = "fork"
+    layout: Layout, steps: int, i: int, start: str = "fork"
 ) -> tuple[float, float, float, dict[str, float]]:
     """The task's wall time, the whole ``dag.test()``, the task's start -> first training step and
-    the task's phases; ``rank_start``: how its agents start the ranks (the task's env)."""
+    the task's phases; ``start``: how its agents and ranks start (fork, or exec as bare torchrun's)."""
     nnodes, nproc = layout
-    dag_id = f"bench_ok_{nnodes}x{nproc}_{rank_start}_{i}"
+    dag_id = f"bench_ok_{nnodes}x{nproc}_{start}_{i}"
     events = WORK / f"events-{dag_id}.jsonl"
-    env = {"STEPS": str(steps), "OMP_NUM_THREADS": "1", "EVENTS": str(events), RANK_START_VAR: rank_start}
+    env = {
+        "STEPS": str(steps),
+        "OMP_NUM_THREADS": "1",
+        "EVENTS": str(events),
+        RANK_START_VAR: start,
+        AGENT_START_VAR: start,
+    }
     dag = write_dag(dag_id, JOB, env, nproc=nproc, nnodes=nnodes)
     start = time.perf_counter()
     dr = dag.test()  # type: ignore[attr-defined]

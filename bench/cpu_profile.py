@@ -36,6 +36,7 @@ KINDS = (
     ("other airflow commands", r"-m airflow |bin/airflow "),
     ("local nodes' agents and their forked ranks", r"backends\.local\.agent|torch\.distributed\.run|torchrun"),
     ("local nodes' supervisors", r"backends\.local\.supervisor"),
+    ("local nodes' zygotes", r"backends\.local\.zygote"),
     ("mlflow server", r"mlflow|gunicorn|waitress|huey"),
     ("moto", r"moto"),
     ("pytest and its xdist workers", r"pytest|python -u -c"),

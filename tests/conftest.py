@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 from cryptography.fernet import Fernet
 
+from airflow_torchrun.backends.local import zygote
+from airflow_torchrun.backends.local.zygote import DIR_VAR as ZYGOTE_DIR_VAR
 from tests import durations, process_guard
 from tests.chaos import matrix
 from tests.example_trainer import IMPORTS as TRAINER_IMPORTS
@@ -53,6 +55,14 @@ DAGS_FOLDER = _SESSION_DIR / "dags"
 STATE_DIR = _SESSION_DIR / "torchrun"
 for _d in (AIRFLOW_HOME, DAGS_FOLDER, STATE_DIR):
     _d.mkdir(parents=True, exist_ok=True)
+
+# The local nodes' zygotes (airflow_torchrun.backends.local.zygote): one directory for the whole run,
+# made by the first pytest process (xdist's controller; its workers inherit it), emptied at its end.
+if not os.environ.get(ZYGOTE_DIR_VAR):
+    os.environ[ZYGOTE_DIR_VAR] = tempfile.mkdtemp(prefix="airflow-torchrun-zygotes-")
+    _ZYGOTES_OWNED = Path(os.environ[ZYGOTE_DIR_VAR])
+else:
+    _ZYGOTES_OWNED = None
 
 os.environ.update(
     {
@@ -408,6 +418,13 @@ def pytest_testnodedown(node: Any, error: object) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     matrix.finish(session.config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's zygotes end with it (the process that made their directory: xdist's controller)."""
+    if _ZYGOTES_OWNED is not None:
+        zygote.stop_all(_ZYGOTES_OWNED)
+        shutil.rmtree(_ZYGOTES_OWNED, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

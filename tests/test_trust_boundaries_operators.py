@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from airflow_torchrun.backends.local.zygote import DIR_VAR as ZYGOTE_DIR_VAR
 from airflow_torchrun.worker import save_checkpoint
 from tests import s3_fixtures
 from tests.conftest import STATE_DIR, DagResult
@@ -221,6 +222,7 @@ def test_a_second_deployment_on_the_same_store_is_refused_before_launch(saver: P
     dags.mkdir()
     (dags / "shared_pipeline.py").write_text(TWO_HOMES_DAG.format(saver=str(saver)))
     base_env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "TRAIN_", "MLFLOW"))}
+    base_env[ZYGOTE_DIR_VAR] = os.environ[ZYGOTE_DIR_VAR]  # the session's zygotes, stopped at its end
     logs = {}
     for home in ("staging", "production"):
         env = {

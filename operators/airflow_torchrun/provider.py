@@ -55,6 +55,14 @@ CONFIG_OPTIONS = {
         "fork",
         "exec",
     ),
+    "local_agent_start": _option(
+        "How the local backend starts each node's supervisor and torchrun agent: fork (from a zygote, a process "
+        "per kind of caller that imported torch once and leaves after 10 idle minutes: no import per node and per "
+        "restart) or exec (a new Python interpreter each). A task's env={'AIRFLOW_TORCHRUN_AGENT_START': 'exec'} "
+        "chooses for that task.",
+        "fork",
+        "exec",
+    ),
     "defer_after": _option(
         "Deferrable tasks: seconds the worker watches a group itself before it defers to the triggerer, "
         "so a group of seconds never defers (operator argument defer_after).",

@@ -20,6 +20,9 @@ RANKS_FILE = "ranks.json"
 # How the local backend's agent starts the ranks that run a launcher of ours: "fork" (from the
 # agent, torch imported) or "exec" (a new interpreter each, as torchrun does).
 RANK_START_VAR = "AIRFLOW_TORCHRUN_RANK_START"
+# How the local backend starts each node's supervisor and agent: "fork" (from a zygote that has
+# imported torch: airflow_torchrun.backends.local.zygote) or "exec" (a new interpreter each).
+AGENT_START_VAR = "AIRFLOW_TORCHRUN_AGENT_START"
 # Written by the launcher beside torchrun's per-rank error file: the process group a rank joined.
 PROCESS_GROUP_FILE = "process_group.json"
 # A rank of a group started while the group before it is torn down holds before its script until

@@ -43,9 +43,10 @@ from airflow_torchrun.backends.handles import (
     LocalHandle,
     bounded_int,
 )
+from airflow_torchrun.backends.local import zygote
 from airflow_torchrun.backends.local.procs import group_pids, groups_running, pid_alive, signal_pids, stop_group
 from airflow_torchrun.backends.local.supervisor import RANK_FAILED_FILE, WORKERS_FILE
-from airflow_torchrun.contract.launch import GATE_FILE, RANK_START_VAR
+from airflow_torchrun.contract.launch import AGENT_START_VAR, GATE_FILE, RANK_START_VAR
 from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import DEFAULT_TEARDOWN_GRACE, GroupSpec, is_templated
@@ -84,18 +85,28 @@ def free_port() -> int:
 RANK_STARTS = ("fork", "exec")
 
 
+def _start_setting(option: str) -> str:
+    from airflow_torchrun.compat import conf
+
+    value = (conf.get("torchrun", option, fallback=None) or "fork").strip().lower()
+    if value not in RANK_STARTS:
+        raise GroupLaunchError(
+            f"[torchrun] {option} = {value!r}: give one of {', '.join(RANK_STARTS)} "
+            f"(AIRFLOW__TORCHRUN__{option.upper()})"
+        )
+    return value
+
+
 def rank_start() -> str:
     """``[torchrun] local_rank_start``: how each node's agent starts the ranks that run a launcher of
     ours (:func:`airflow_torchrun.backends.local.agent._fork_our_ranks`)."""
-    from airflow_torchrun.compat import conf
+    return _start_setting("local_rank_start")
 
-    value = (conf.get("torchrun", "local_rank_start", fallback=None) or "fork").strip().lower()
-    if value not in RANK_STARTS:
-        raise GroupLaunchError(
-            f"[torchrun] local_rank_start = {value!r}: give one of {', '.join(RANK_STARTS)} "
-            "(AIRFLOW__TORCHRUN__LOCAL_RANK_START)"
-        )
-    return value
+
+def agent_start() -> str:
+    """``[torchrun] local_agent_start``: how each node's supervisor and agent start
+    (:mod:`airflow_torchrun.backends.local.zygote`)."""
+    return _start_setting("local_agent_start")
 
 
 class LocalBackend(Backend[LocalHandle]):
@@ -177,9 +188,10 @@ class LocalBackend(Backend[LocalHandle]):
                 f"script {spec.script!r} does not exist (resolved to {Path(spec.script).resolve()}); "
                 "give an absolute path, or one relative to the DAG file's folder or the worker's current directory"
             )
-        start = spec.env.get(RANK_START_VAR)
-        if start is not None and not is_templated(start) and start not in RANK_STARTS:
-            problems.append(f"env {RANK_START_VAR}={start!r}: give one of {', '.join(RANK_STARTS)}")
+        for var in (RANK_START_VAR, AGENT_START_VAR):
+            start = spec.env.get(var)
+            if start is not None and not is_templated(start) and start not in RANK_STARTS:
+                problems.append(f"env {var}={start!r}: give one of {', '.join(RANK_STARTS)}")
         return problems
 
     # -- storage ------------------------------------------------------------------------------
@@ -230,7 +242,8 @@ class LocalBackend(Backend[LocalHandle]):
     ) -> GroupPlan:
         group_dir = self.state_dir / "groups" / identity.group_id
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        extra_env = {RANK_START_VAR: rank_start(), **extra_env}  # the task's env= may choose otherwise
+        # the task's env= may choose otherwise
+        extra_env = {RANK_START_VAR: rank_start(), AGENT_START_VAR: agent_start(), **extra_env}
         return plan(
             spec,
             identity,
@@ -263,7 +276,6 @@ class LocalBackend(Backend[LocalHandle]):
             group_dir=str(group_dir),
             master_port=plan.master_port,
         )
-        started: list[subprocess.Popen[bytes]] = []
         try:
             profile = self._adopt_profile(
                 [str(node.env.get("AWS_CONFIG_FILE") or "") for node in plan.nodes], group_dir
@@ -283,8 +295,13 @@ class LocalBackend(Backend[LocalHandle]):
                 ]
                 if watch_caller:
                     argv.append(f"--watch-pid={os.getpid()}")
-                proc = subprocess.Popen(
-                    [*argv, "--", *node.argv],
+                argv += ["--", *node.argv]
+                if env.get(AGENT_START_VAR) == "fork" and zygote.spawn(
+                    argv[3:], env, os.getcwd(), node_dir / "supervisor.log"
+                ):
+                    continue  # forked by the zygote, torch imported
+                subprocess.Popen(
+                    argv,
                     env=env,
                     cwd=os.getcwd(),
                     start_new_session=True,
@@ -292,7 +309,6 @@ class LocalBackend(Backend[LocalHandle]):
                     stdout=subprocess.DEVNULL,
                     stderr=open(node_dir / "supervisor.log", "wb"),  # noqa: SIM115 - owned by the child
                 )
-                started.append(proc)
             (group_dir / "group.json").write_text(json.dumps(handle.to_dict(), indent=2))
         except OSError as exc:
             self.teardown(handle)

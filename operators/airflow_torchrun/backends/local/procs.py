@@ -23,10 +23,19 @@ from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_
 LAST_GRACE_S = 2.0
 
 
+# A process forked from a zygote shows its environment at the start of the zygote's room, the rest
+# NULs (zygote.mark): a reader stops at them instead of reading the room through.
+_ROOM_LEFT = b"\0" * 8
+
+
 def _environ(pid: int) -> dict[bytes, bytes]:
+    raw = b""
     try:
         with open(f"/proc/{pid}/environ", "rb") as fp:
-            raw = fp.read()
+            while chunk := fp.read(16384):
+                raw += chunk
+                if _ROOM_LEFT in raw:
+                    break
     except OSError:
         return {}
     pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)

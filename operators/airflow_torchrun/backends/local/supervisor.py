@@ -18,7 +18,7 @@ not read (an older kernel, and too late) leaves the decision to the agent's own 
 subreaper so that workers orphaned by a dying agent are re-parented to it and reaped, and on
 SIGTERM, or when ``--watch-pid`` dies (the sync-mode Airflow task process), it stops every process
 of its node. Imports stay light: no
-torch, no Airflow.
+torch, no Airflow (one forked from a zygote has torch in memory already, and forks its agent).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from airflow_torchrun.backends.local import zygote
 from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, recorded_rank, stop_group
+from airflow_torchrun.backends.local.zygote import ForkedAgent
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE, RANKS_FILE_VAR
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -214,7 +216,7 @@ class _Reaper:
     agent's own status: ``waitpid(-1)`` may collect the agent too, and ``Popen.wait()`` would then
     report 0 for it (a torn-down node recorded as a success)."""
 
-    def __init__(self, agent: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(self, agent: subprocess.Popen[bytes] | ForkedAgent | None = None) -> None:
         self.agent = agent
 
     def __call__(self) -> None:
@@ -254,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks_file = str(node_dir / RANKS_FILE)
     env = {**os.environ, RANKS_FILE_VAR: ranks_file}
     with open(node_dir / "node.log", "ab", buffering=0) as log:
-        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        # Forked when this supervisor was forked from a zygote (torch in memory already), else exec'd.
+        agent: subprocess.Popen[bytes] | ForkedAgent = zygote.fork_agent(command, log, env) or subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
     reap = _Reaper(agent)
     write_json(
         node_dir / "supervisor.json",
