@@ -396,7 +396,7 @@ def main() -> None:
     rule = RepeatRule(minimum=args.repeats, half_width=args.half_width, cap=args.max_pairs, budget_s=args.budget_s)
     bare: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}
     ours: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}
-    execd: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}  # ranks exec'd, as bare torchrun's
+    execd: dict[Layout, Side] = {layout: Side() for layout in LAYOUTS}  # agents and ranks exec'd, as bare torchrun's
     stopped: dict[Layout, str] = {}
     kill: list[float] = []
     for layout in LAYOUTS:
@@ -418,7 +418,7 @@ def main() -> None:
                     into.phases.append(ph)
                     progress("group", f"{name(layout)} pair {i + 1} {side}: task, dag.test, first step", (t, w, f))
             so_far = mean_interval(differences(execd[layout], bare[layout]))
-            progress("group", f"{name(layout)} overhead (ranks exec'd) so far", str(so_far))
+            progress("group", f"{name(layout)} overhead (agents and ranks exec'd) so far", str(so_far))
             i += 1
         stopped[layout] = rule.stopped_by(differences(execd[layout], bare[layout]), time.monotonic() - began)
     for i in range(args.repeats):
@@ -498,12 +498,13 @@ def report_rows(
         label = f"{layout[0]} agents x {layout[1]}"
         rows.append(row(f"operator task wall time, {label}", t, anchor, b, "s"))
         exec_wall = Samples(execd[layout].wall)
-        rows.append(row(f"operator task wall time, {label}, ranks exec'd as torchrun's", exec_wall, anchor, b, "s"))
+        execd_label = f"operator task wall time, {label}, agents and ranks exec'd as torchrun's"
+        rows.append(row(execd_label, exec_wall, anchor, b, "s"))
         diffs = differences(execd[layout], bare[layout])
         ci = mean_interval(diffs)
         rows.append(
             row(
-                f"operator fixed overhead, {name(layout)} (task with ranks exec'd - bare, paired; mean)",
+                f"operator fixed overhead, {name(layout)} (task with agents and ranks exec'd - bare, paired; mean)",
                 ci.mean,
                 "goal",
                 0.15,

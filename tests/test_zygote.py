@@ -23,6 +23,7 @@ from airflow_torchrun.contract.launch import AGENT_START_VAR, GROUP_ID_VAR, NODE
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import Outcome, group_status
+from tests.test_local_backend import _until
 
 SLEEPY = textwrap.dedent(
     """
@@ -36,16 +37,6 @@ SLEEPY = textwrap.dedent(
     print("done", flush=True)
     """
 )
-
-
-def _until(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
