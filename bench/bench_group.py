@@ -267,6 +267,11 @@ BARE_PHASES = (
 )
 
 
+# The operator's own time in a try: all of the task's wall time but its group's life (from every
+# node spawned to the group's exit, as the nodes recorded it), Airflow's start and end included.
+OWN = "operator's own time (task start -> group launched, group exited -> task end)"
+
+
 def operator_phases(timeline: list[dict[str, object]], events: Path, start: float, end: float) -> dict[str, float]:
     at: dict[str, float] = {"task_start": start, "task_end": end}
     for e in timeline:
@@ -275,7 +280,10 @@ def operator_phases(timeline: list[dict[str, object]], events: Path, start: floa
             at[name] = float(e["at"])  # type: ignore[arg-type]
     for e in reversed(job_events(events)):
         at[f"job:{e['event']}"] = float(e["t"])
-    return {name: at[b] - at[a] for name, a, b in OPERATOR_PHASES if a in at and b in at}
+    phases = {name: at[b] - at[a] for name, a, b in OPERATOR_PHASES if a in at and b in at}
+    if "launched" in at and "exited" in at:
+        phases[OWN] = (at["launched"] - start) + (end - at["exited"])
+    return phases
 
 
 def through_operator(
@@ -514,6 +522,21 @@ def report_rows(
                 note=stopped.get(layout, ""),
             )
         )
+        own = [p[OWN] for p in execd[layout].phases if OWN in p]
+        if own:
+            ci = mean_interval(own)
+            rows.append(
+                row(
+                    f"operator's own time per try, {name(layout)}, agents and ranks exec'd (its timeline: all but "
+                    "the group's life; mean)",
+                    ci.mean,
+                    "goal",
+                    0.15,
+                    "s",
+                    repeats=len(own),
+                    interval=(ci.low, ci.high),
+                )
+            )
         rows.append(row(f"whole dag.test() run, {name(layout)}", Samples(ours[layout].whole), anchor, b, "s"))
     k = Samples(kill)
     rows.append(row("rank SIGKILLed -> every group process gone (median)", k, "goal (median)", 1.0, "s"))

@@ -73,7 +73,13 @@ def test_a_relaunch_reads_the_resume_point_again_and_checks_nothing_else(
         "checking who owns the checkpoints",
         "finding the checkpoint to resume from",
     ]
-    assert first[contract.RESUME_FROM] == "" and ti.xcom["resumed_from"] is None
+    # The preflight's accounts wait for the next push (the engine's, after the launch): none of
+    # them holds the launch up by a round trip to the API server.
+    assert first[contract.RESUME_FROM] == "" and io.pushed["resumed_from"] is None
+    assert ti.xcom == {}
+    io.push("group", {"group_id": "g"})
+    assert list(ti.xcom) == ["checkpoint_uri", "resumed_from", "mlflow_run_url", "checkpoint_url", "group"]
+    assert ti.xcom["resumed_from"] is None and ti.xcom["checkpoint_uri"] == uri
     # The first launch committed step 7 on its way out (its save on SIGTERM, say).
     store = CheckpointStore(uri)
     Path(store.step_path(7)).mkdir(parents=True)
@@ -82,6 +88,7 @@ def test_a_relaunch_reads_the_resume_point_again_and_checks_nothing_else(
     io.calls.clear()
     again = training.relaunch_env()
     assert io.calls == ["finding the checkpoint to resume from"]
+    io.flush()
     assert again[contract.RESUME_FROM] == store.step_uri(7) and ti.xcom["resumed_from"]["step"] == 7
     assert {k: v for k, v in again.items() if k != contract.RESUME_FROM} == {
         k: v for k, v in first.items() if k != contract.RESUME_FROM

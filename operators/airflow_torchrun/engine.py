@@ -214,8 +214,10 @@ class RunEngine:
         log: Any,
         *,
         killed: bool = False,
+        push: Callable[[str, Any], None] | None = None,
     ) -> RunEngine:
-        """The engine of the try ``context`` is of: its launches are named after its task instance."""
+        """The engine of the try ``context`` is of: its launches are named after its task instance.
+        ``push``: how it pushes XCom (the task's own, by default)."""
         from airflow_torchrun.naming import GroupIdentity
 
         ti = context["ti"]
@@ -235,7 +237,7 @@ class RunEngine:
             spec=spec,
             settings=settings,
             log=log,
-            push=lambda key, value: ti.xcom_push(key=key, value=value),
+            push=push or (lambda key, value: ti.xcom_push(key=key, value=value)),
             identity=identity,
             contract=contract,
             killed=killed,
@@ -557,7 +559,8 @@ class RunEngine:
             self.log.warning("Could not publish the resume audit: %s", exc)
 
     def _ledger(self, *, final: bool) -> None:
-        """The try's and the task's goodput ledger, as of now: XCom ``goodput``; at the end also the
+        """The try's and the task's goodput ledger, as of now, for the contract to publish; at the
+        end also XCom ``goodput`` (pushed once: a push is a round trip the task's end waits on), the
         task log's summary line and the try's account kept for later tries."""
         books = self.books
         if books is None:
@@ -566,8 +569,10 @@ class RunEngine:
 
         try:
             published = books.make_ledger(self.timeline, time.time())
+            if not final:
+                return
             self.push(XCOM_GOODPUT, published)
-            if final and books.ledger is not None and books.task is not None:
+            if books.ledger is not None and books.task is not None:
                 self.log.info("%s", summary_line(books.ledger, books.task))
                 books.keep()
         except Exception as exc:  # an account of the try, never a reason to fail it
@@ -696,7 +701,7 @@ class RunEngine:
         if verdict.outcome is Outcome.SUCCEEDED:
             self.timeline.mark(Mark.FINISH_STARTED, time.time(), handle.relaunch)
             self._audit_verdict(handle)
-            self._ledger(final=False)  # what the finish publishes (the asset event)
+            self._ledger(final=False)  # what the finish publishes (the asset event): made, not pushed
             try:
                 result = self.contract.finish(handle, verdict, self.spec)
             except BaseException:
@@ -762,7 +767,7 @@ class RunEngine:
     def _ended(self, handle: GroupHandle, succeeded: bool) -> None:
         """The try's outcome is known: the contract is told, the timeline completed and published,
         the goodput ledger made (XCom, the task log's summary, kept for later tries)."""
-        self._ledger(final=False)  # what the contract publishes (MLflow) as it ends
+        self._ledger(final=False)  # what the contract publishes (MLflow) as it ends: made, not pushed
         self.contract.ended(handle, succeeded)
         self.timeline.mark(Mark.TRY_ENDED, time.time(), outcome="succeeded" if succeeded else "failed")
         self._publish_timeline()

@@ -40,6 +40,8 @@ class TaskIO:
     # What this try pushed, kept in memory: OpenLineage's facets are built in a forked process, where
     # an XCom read through the task's supervisor channel hung until the provider killed it.
     pushed: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Accounts pushed with ``soon``, not yet sent (see :meth:`push`).
+    _soon: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def ti(self) -> Any:
@@ -57,9 +59,23 @@ class TaskIO:
         index = ti.map_index if ti is not None else self.context.get("map_index", -1)
         return index if isinstance(index, int) else -1
 
-    def push(self, key: str, value: Any) -> None:
-        self.ti.xcom_push(key=key, value=value)
+    def push(self, key: str, value: Any, *, soon: bool = False) -> None:
+        """XCom ``key``. ``soon``: an account only (what the UI and links show), sent with the next
+        push that is not, or by :meth:`flush`: a push is a round trip to the API server, and the
+        preflight's accounts would otherwise hold the launch up (the engine's first push follows the
+        launch; a try that fails before it flushes on its way out)."""
         self.pushed[key] = value
+        if soon:
+            self._soon[key] = value
+            return
+        self.flush()
+        self.ti.xcom_push(key=key, value=value)
+
+    def flush(self) -> None:
+        """Send the accounts pushed with ``soon``, in the order they were pushed."""
+        while self._soon:
+            key = next(iter(self._soon))
+            self.ti.xcom_push(key=key, value=self._soon.pop(key))
 
     def preflight(self, what: str, call: Callable[[], T]) -> T:
         return preflight(call, what=what, where=self.where, budget=self.preflight_budget, log=self.log)

@@ -135,6 +135,7 @@ class GroupOperator(BaseOperator):
         self.storage_options = dict(storage_options or {})
         self.mlflow_tracking_uri = mlflow_tracking_uri
         self._engine: RunEngine | None = None
+        self._io: TaskIO | None = None  # the try's (one_try), for what it still has to send
         self._killed = False
 
     @property

@@ -78,7 +78,12 @@ def _engine(
         storage_options=op.storage_options,
     )
     contract = op.rank_contract(io, state)
-    op._engine = RunEngine.for_try(context, backend, spec, op.run_settings, contract, op.log, killed=op._killed)
+    # The engine's pushes go through the task's IO: its first one (after the launch) also sends
+    # the accounts the preflight pushed ``soon``.
+    op._engine = RunEngine.for_try(
+        context, backend, spec, op.run_settings, contract, op.log, killed=op._killed, push=io.push
+    )
+    op._io = io
     return op._engine
 
 
@@ -97,8 +102,24 @@ def _drive(
         engine.deadline = engine.deadline_of(context, op.execution_timeout, handle.launched_at)
         handle, verdict = engine.drive(handle, launches, verdict=verdict, seen=seen, defer=_deferring(op, engine))
     except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
+        _flush(op)
         raise under_policy(exc, op._where) from exc
+    except BaseException:
+        _flush(op)
+        raise
     return engine.conclude(handle, verdict)
+
+
+def _flush(op: GroupOperator) -> None:
+    """A try that ends before its group launched: the accounts its preflight pushed ``soon``
+    (the checkpoint root, the links' placeholders) are sent all the same; best effort."""
+    io = getattr(op, "_io", None)
+    if io is None:
+        return
+    try:
+        io.flush()
+    except Exception as exc:
+        op.log.warning("Could not publish the try's accounts: %s", exc)
 
 
 def _deferring(op: GroupOperator, engine: RunEngine) -> Callable[[GroupHandle, Launches], NoReturn] | None:

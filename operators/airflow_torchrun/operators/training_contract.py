@@ -174,7 +174,7 @@ class TrainingContract:
         from airflow_torchrun.storage.lineage import claim_lineage
 
         io, uri = self.io, self.checkpoint_uri
-        io.push(XCOM_CHECKPOINT_URI, uri)  # the training view lists its checkpoints while it runs
+        io.push(XCOM_CHECKPOINT_URI, uri, soon=True)  # the training view lists its checkpoints while it runs
         store = CheckpointStore(uri, io.resolved_storage_options())
         io.preflight("checking checkpoint storage", lambda: store.check_access(write=True))
         io.preflight("checking who owns the checkpoints", lambda: claim_lineage(store, self.lineage))
@@ -217,7 +217,7 @@ class TrainingContract:
                     own.step if own.step is not None else "unknown",
                     self.resume,
                 )
-        io.push(XCOM_RESUMED_FROM, resumed)
+        io.push(XCOM_RESUMED_FROM, resumed, soon=True)
         return {contract.RESUME_FROM: ref.uri if ref else "", **self._interval_env()}
 
     def _launch_env(self, *, checked: bool) -> dict[str, str]:
@@ -250,9 +250,9 @@ class TrainingContract:
         elif tracking_uri is not None:
             env.update(self._tracking_env(tracking_uri))
         elif not checked:  # the extra link finds "no run" instead of logging an error for a missing XCom
-            io.push(MLFLOW_RUN_URL_KEY, None)
+            io.push(MLFLOW_RUN_URL_KEY, None, soon=True)
         if not checked:  # the same for the 'Checkpoint' link of a try that fails (success replaces it)
-            io.push(CHECKPOINT_URL_KEY, None)
+            io.push(CHECKPOINT_URL_KEY, None, soon=True)
         return env
 
     def _framework_checkpoint(self, store: CheckpointStore) -> FrameworkCheckpoint | None:
@@ -276,9 +276,9 @@ class TrainingContract:
             "creating the MLflow run", lambda: ensure_run(io.context, self.mlflow_experiment, tracking_uri)
         )
         self.mlflow_run_id = run_id
-        io.push(XCOM_MLFLOW_RUN_ID, run_id)
+        io.push(XCOM_MLFLOW_RUN_ID, run_id, soon=True)
         try:
-            io.push(MLFLOW_RUN_URL_KEY, run_url(run_id, tracking_uri))
+            io.push(MLFLOW_RUN_URL_KEY, run_url(run_id, tracking_uri), soon=True)
         except Exception as exc:  # only the link: never worth failing the task for
             io.log.warning("MLflow run %s: could not build its UI link: %s", run_id, exc)
         return rank_env(run_id, tracking_uri)
