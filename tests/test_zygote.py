@@ -91,6 +91,18 @@ def _ppid(pid: int) -> int:
         return int(fp.read().rsplit(")", 1)[1].split()[1])
 
 
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if _ppid(int(entry.name)) == pid:
+                    found.add(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
 def _environ(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as fp:
         items = [i.decode() for i in fp.read().split(b"\0") if i]
@@ -116,12 +128,15 @@ def test_a_launch_forks_each_nodes_supervisor_and_agent_from_the_zygote(tmp_path
     assert _supervisor(first, 0)["pid"] and _ppid(_supervisor(first, 0)["pid"]) in (os.getpid(), 1)
     assert _end(backend, first).state is Outcome.SUCCEEDED
     zygote_pid = _zygote_pid(zygotes)
+    # Its spares, forked ahead of the requests: a launch waits for no fork of a process holding torch.
+    spares = _until(lambda: len(_children(zygote_pid)) == zygote.SPARES and _children(zygote_pid), what="spares")
 
     backend, second = _launch(tmp_path, "second", sleep_s=3)
     try:
         for node in (0, 1):
             sup = _supervisor(second, node)
             assert _ppid(sup["pid"]) == zygote_pid, "the supervisor was not forked by the zygote"
+            assert sup["pid"] in spares, "the supervisor was not one of the spares forked before the launch"
             assert _ppid(sup["agent_pid"]) == sup["pid"]
             assert "-m airflow_torchrun.backends.local.supervisor --node-dir=" in _cmdline(sup["pid"])
             assert "-m airflow_torchrun.backends.local.agent --nnodes=2" in _cmdline(sup["agent_pid"])
@@ -136,6 +151,8 @@ def test_a_launch_forks_each_nodes_supervisor_and_agent_from_the_zygote(tmp_path
         running = _until(lambda: len(group_pids(second.group_id)) >= 6 and group_pids(second.group_id), what="ranks")
         assert sorted(r[0] for p in running if (r := ranks_of(p)) is not None) == [0, 1]
         assert zygote_pid not in running
+        supervisors = {_supervisor(second, node)["pid"] for node in (0, 1)}
+        _until(lambda: len(_children(zygote_pid) - supervisors) == zygote.SPARES, what="the spares taken replaced")
     finally:
         status = _end(backend, second)
     assert status.state is Outcome.SUCCEEDED, status
@@ -154,10 +171,13 @@ def test_a_zygote_killed_mid_run_changes_nothing_but_the_speed(tmp_path, zygotes
     old = _zygote_pid(zygotes)
     backend, forked = _launch(tmp_path, "forked", sleep_s=2)
     assert _ppid(_supervisor(forked, 0)["pid"]) == old
+    spares = _children(old) - {_supervisor(forked, node)["pid"] for node in (0, 1)}
+    assert spares, "no spare to see die with the zygote"
     os.kill(old, signal.SIGKILL)
     status = _end(backend, forked)
     assert status.state is Outcome.SUCCEEDED and [n.exit_code for n in status.nodes] == [0, 0], status
     _until(lambda: not pid_alive(old), what="the killed zygote to be gone")
+    _until(lambda: not any(pid_alive(p) for p in spares), timeout=10, what="its waiting spares to die with it")
 
     backend, after = _launch(tmp_path, "after")
     assert _ppid(_supervisor(after, 0)["pid"]) != old
@@ -196,8 +216,10 @@ def test_the_zygote_leaves_after_its_idle_time(zygotes, monkeypatch):
     path = zygotes / f"{zygote.fingerprint(os.environ)}.sock"
     zygote.start(path, dict(os.environ))
     pid = _zygote_pid(zygotes)
+    spares = _until(lambda: len(_children(pid)) == zygote.SPARES and _children(pid), what="spares")
     _until(lambda: not pid_alive(pid), timeout=60, what="the idle zygote to leave")
     assert not path.exists() and not Path(f"{path}.pid").exists()
+    _until(lambda: not any(pid_alive(p) for p in spares), timeout=10, what="its spares to leave with it")
 
 
 @pytest.mark.slow

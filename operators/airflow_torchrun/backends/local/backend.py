@@ -280,6 +280,7 @@ class LocalBackend(Backend[LocalHandle]):
             profile = self._adopt_profile(
                 [str(node.env.get("AWS_CONFIG_FILE") or "") for node in plan.nodes], group_dir
             )
+            process: str | None = None  # the zygotes' process stamp, made once for every node
             for node in plan.nodes:
                 node_dir = group_dir / f"node-{node.node_rank}"
                 node_dir.mkdir(parents=True)
@@ -296,10 +297,10 @@ class LocalBackend(Backend[LocalHandle]):
                 if watch_caller:
                     argv.append(f"--watch-pid={os.getpid()}")
                 argv += ["--", *node.argv]
-                if env.get(AGENT_START_VAR) == "fork" and zygote.spawn(
-                    argv[3:], env, os.getcwd(), node_dir / "supervisor.log"
-                ):
-                    continue  # forked by the zygote, torch imported
+                if env.get(AGENT_START_VAR) == "fork":
+                    process = process or zygote.process_stamp()
+                    if zygote.spawn(argv[3:], env, os.getcwd(), node_dir / "supervisor.log", process=process):
+                        continue  # forked by the zygote, torch imported
                 subprocess.Popen(
                     argv,
                     env=env,

@@ -6,7 +6,9 @@ spends 1.4 s of CPU importing torch before it does anything (a 2-core machine): 
 group's start, and half of ``make test``'s CPU. The zygote imports torch, torchrun and this
 package's node modules once. A launch asks it for each node's supervisor: forked, with the node's
 environment, directory, umask and files; the supervisor then forks its agent from itself, torch
-already in memory (:func:`fork_agent`), and the agent forks its ranks as before.
+already in memory (:func:`fork_agent`), and the agent forks its ranks as before. The supervisors
+are forked ahead of the requests (:data:`SPARES` of them wait, each taking one request), so a
+launch does not wait for the forks.
 
 One zygote serves one kind of caller: the same Python, user and groups, cgroup, namespaces and
 resource limits, the same torch and package files, and the same values of the variables read
@@ -42,6 +44,7 @@ import logging
 import os
 import random
 import resource
+import select
 import signal
 import site
 import socket
@@ -50,10 +53,13 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from airflow_torchrun.backends.local.procs import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +145,17 @@ def _installed() -> list[Path]:
     return files
 
 
-def fingerprint(env: Mapping[str, str]) -> str:
-    """What a zygote must share with a process it forks for: see the module's docstring."""
+def fingerprint(env: Mapping[str, str], process: str | None = None) -> str:
+    """What a zygote must share with a process it forks for: see the module's docstring.
+    ``process``: :func:`process_stamp`'s, made once for the nodes of one launch."""
+    digest = hashlib.sha256((process or process_stamp()).encode())
+    digest.update(repr(sorted((k, v) for k, v in env.items() if keyed(k))).encode())
+    return digest.hexdigest()[:24]
+
+
+def process_stamp() -> str:
+    """The part of :func:`fingerprint` that is this process's, not its environment's (a few ms: it
+    looks at every installed file's time and size)."""
     digest = hashlib.sha256()
 
     def add(*parts: object) -> None:
@@ -148,7 +163,6 @@ def fingerprint(env: Mapping[str, str]) -> str:
 
     add(sys.executable, sys.version, os.getuid(), os.getgid(), sorted(os.getgroups()))
     add(os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)))
-    add(sorted((k, v) for k, v in env.items() if keyed(k)))
     for ns in ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts"):
         with contextlib.suppress(OSError):
             add(ns, os.readlink(f"/proc/self/ns/{ns}"))
@@ -165,15 +179,18 @@ def fingerprint(env: Mapping[str, str]) -> str:
 
 
 # -- the caller's side: a launch -------------------------------------------------------------
-def spawn(argv: Sequence[str], env: Mapping[str, str], cwd: str, stderr_path: Path) -> int | None:
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str, stderr_path: Path, *, process: str | None = None
+) -> int | None:
     """``python -m airflow_torchrun.backends.local.supervisor ARGV``, forked by the zygote of this
     kind of caller: in ``cwd``, with ``env``, stdin and stdout on /dev/null, stderr to
     ``stderr_path``, a session of its own. Its pid; None when no zygote answered (one is started
-    for the next launch, when there is none): start the supervisor yourself."""
+    for the next launch, when there is none): start the supervisor yourself. ``process``: this
+    process's :func:`process_stamp`, when the caller has it already."""
     directory = zygote_dir()
     if directory is None:
         return None
-    path = directory / f"{fingerprint(env)}.sock"
+    path = directory / f"{fingerprint(env, process)}.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with sock:
         sock.settimeout(ANSWER_TIMEOUT_S)
@@ -408,33 +425,68 @@ def fork_agent(command: Sequence[str], log: IO[bytes], env: Mapping[str, str]) -
 
 
 # -- the zygote ------------------------------------------------------------------------------
-def _serve_one(conn: socket.socket, listener: socket.socket) -> None:
-    """One request: a supervisor forked, which answers its pid and starts on the caller's go."""
+# Forked ahead of the requests: a fork of a process that holds torch takes 7 ms on 2 cores, which a
+# launch would otherwise wait for, node after node. A spare blocks in ``accept``; the one the kernel
+# hands a connection to becomes that node's supervisor, and the zygote forks another in its place.
+SPARES = 4
+_PR_SET_PDEATHSIG = 1
+
+
+def _spare(listener: socket.socket, taken: int) -> None:
+    """A spare's life: wait for one request, say so on ``taken`` (its pid), serve it as its supervisor.
+    Waiting, it dies with the zygote; serving, it outlives it (a running group never depends on it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    zygote = os.getppid()
+    code = 0
+    try:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote:  # the zygote died before the line above
+            _exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        listener.settimeout(None)
+        conn, _ = listener.accept()
+        libc.prctl(_PR_SET_PDEATHSIG, 0)
+        os.write(taken, struct.pack("!i", os.getpid()))
+        os.close(taken)
+        listener.close()
+        with conn:
+            _serve(conn)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
+def _taken(pipe: int) -> set[int]:
+    """The spares that said they took a request (their pids, 4 bytes each: one write, never split)."""
+    try:
+        data = os.read(pipe, 4096)
+    except BlockingIOError:
+        return set()
+    return {pid for (pid,) in struct.iter_unpack("!i", data[: len(data) // 4 * 4])}
+
+
+def _serve(conn: socket.socket) -> None:
+    """One request, in the spare that took it: it becomes the node's supervisor, answers its pid and
+    starts on the caller's go."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     if uid != os.getuid():
         return
     conn.settimeout(ANSWER_TIMEOUT_S)
     header, fds, _flags, _addr = socket.recv_fds(conn, 8, 3)
-    try:
-        if len(header) != 8 or len(fds) != 3:
+    if len(header) != 8 or len(fds) != 3:
+        return
+    (length,) = struct.unpack("!Q", header)
+    if length > _MAX_REQUEST:
+        return
+    data = b""
+    while len(data) < length:
+        chunk = conn.recv(min(length - len(data), 1 << 20))
+        if not chunk:
             return
-        (length,) = struct.unpack("!Q", header)
-        if length > _MAX_REQUEST:
-            return
-        data = b""
-        while len(data) < length:
-            chunk = conn.recv(min(length - len(data), 1 << 20))
-            if not chunk:
-                return
-            data += chunk
-        request = json.loads(data)
-        if os.fork() == 0:
-            listener.close()
-            _supervisor(conn, fds, request)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        data += chunk
+    _supervisor(conn, fds, json.loads(data))
 
 
 def _supervisor(conn: socket.socket, fds: list[int], request: dict[str, Any]) -> None:
@@ -470,6 +522,11 @@ def _supervisor(conn: socket.socket, fds: list[int], request: dict[str, Any]) ->
 
 
 _LOCK: IO[str] | None = None
+# How often a zygote looks at its socket (replaced or removed: it leaves) and its spares.
+_LOOK_S = 5.0
+# How long after a request a zygote waits for the next one of the same launch before it replaces
+# the spares taken.
+_SETTLE_S = 0.05
 
 
 def _locked(path: Path) -> IO[str] | None:
@@ -523,19 +580,32 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, leave)
-    listener.settimeout(args.idle)
+    taken_r, taken_w = os.pipe()
+    spares: set[int] = set()
+    last = time.monotonic()
     try:
-        while _ours(path, inode):
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                break
-            with conn:
-                try:
-                    _serve_one(conn, listener)
-                except (OSError, ValueError) as exc:
-                    print(f"zygote: a request failed: {exc!r}", file=sys.stderr, flush=True)
+        while _ours(path, inode) and time.monotonic() - last < args.idle:
+            spares = {pid for pid in spares if pid_alive(pid)}  # (one killed by hand is replaced)
+            while len(spares) < SPARES:
+                pid = os.fork()
+                if pid == 0:
+                    os.close(taken_r)
+                    _spare(listener, taken_w)
+                spares.add(pid)
+            ready, _, _ = select.select([taken_r], [], [], min(_LOOK_S, args.idle))
+            if ready:
+                spares -= _taken(taken_r)
+                # A launch takes one per node, in a row: the replacements are forked once it is
+                # done (while spares last), not between its nodes, which would wait for the CPU.
+                while spares and select.select([taken_r], [], [], _SETTLE_S)[0]:
+                    spares -= _taken(taken_r)
+                last = time.monotonic()
     finally:
+        os.set_blocking(taken_r, False)
+        spares -= _taken(taken_r)
+        for pid in spares:  # waiting ones only: those that took a request are supervisors now
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         if _ours(path, inode):
             with contextlib.suppress(OSError):
                 path.unlink()
