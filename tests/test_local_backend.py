@@ -553,6 +553,7 @@ def test_the_watchs_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
     this test's, which never exits) is not waited on."""
     backend, handle, sleeper = _group_of_sleepers(tmp_path, 1.0)
     try:
+        backend.observe(handle)  # the look before the pause
         started = time.monotonic()
         backend.pause(handle, 120.0)
         assert time.monotonic() - started < 60, "the pause slept its whole time instead of waking on the exit"
@@ -560,6 +561,8 @@ def test_the_watchs_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
         sleeper.kill()
         sleeper.wait()
     # Nothing left running: a pause is a plain sleep of its length (and gives its pidfds back).
+    (Path(handle.group_dir) / "node-0" / "exit.json").write_text(json.dumps({"returncode": 0}))
+    backend.observe(handle)
     fds_before = len(os.listdir("/proc/self/fd"))
     started = time.monotonic()
     backend.pause(handle, 0.3)
@@ -567,16 +570,37 @@ def test_the_watchs_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
+def test_a_pause_after_the_groups_end_ends_at_once(tmp_path):
+    """The group ended between the look and the pause (its supervisors recorded their outcomes and
+    exited): there is no pidfd left to wake on, and the pause must not sleep its whole length."""
+    import asyncio
+
+    backend, handle, sleeper = _group_of_sleepers(tmp_path, 120.0)
+    try:
+        assert [n.exit_code for n in backend.observe(handle)] == [None, 0]  # node 0 still runs
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    (Path(handle.group_dir) / "node-0" / "exit.json").write_text(json.dumps({"returncode": 0}))
+    started = time.monotonic()
+    backend.pause(handle, 30.0)
+    asyncio.run(backend.pause_async(handle, 30.0))
+    assert time.monotonic() - started < 20, "a pause slept through an outcome recorded since the last look"
+
+
 def test_the_triggers_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path):
     import asyncio
 
     backend, handle, sleeper = _group_of_sleepers(tmp_path, 1.0)
+    backend.observe(handle)
     fds_before = len(os.listdir("/proc/self/fd"))
     try:
         started = time.monotonic()
         asyncio.run(backend.pause_async(handle, 120.0))
         assert time.monotonic() - started < 60, "the pause slept its whole time instead of waking on the exit"
         sleeper.wait(5)
+        (Path(handle.group_dir) / "node-0" / "exit.json").write_text(json.dumps({"returncode": 0}))
+        backend.observe(handle)
         started = time.monotonic()
         asyncio.run(backend.pause_async(handle, 0.3))
         assert time.monotonic() - started >= 0.29

@@ -143,6 +143,7 @@ def test_train_and_evaluate_events_carry_the_group(events: list[dict[str, Any]])
     assert "torchrun" in validate(train)
     facet = train["run"]["facets"]["torchrun"]
     assert (facet["worldSize"], facet["numNodes"], facet["nprocPerNode"], facet["tryNumber"]) == (1, 1, 1, 1), facet
+    assert 0 < facet["goodput"] <= 1, facet  # the try's ETTR, from the ledger the engine published
     assert [d["name"].rsplit("/", 1)[-1] for d in train["inputs"]] == ["manifest.json"], train["inputs"]
     (checkpoint,) = train["outputs"]
     assert checkpoint["namespace"] == "file" and "/train/step-" in checkpoint["name"], checkpoint

@@ -78,7 +78,7 @@ def test_a_relaunch_reads_the_resume_point_again_and_checks_nothing_else(
     assert first[contract.RESUME_FROM] == "" and io.pushed["resumed_from"] is None
     assert ti.xcom == {}
     io.push("group", {"group_id": "g"})
-    assert list(ti.xcom) == ["checkpoint_uri", "resumed_from", "mlflow_run_url", "checkpoint_url", "group"]
+    assert list(ti.xcom) == ["group", "checkpoint_uri", "resumed_from", "mlflow_run_url", "checkpoint_url"]
     assert ti.xcom["resumed_from"] is None and ti.xcom["checkpoint_uri"] == uri
     # The first launch committed step 7 on its way out (its save on SIGTERM, say).
     store = CheckpointStore(uri)
@@ -93,3 +93,28 @@ def test_a_relaunch_reads_the_resume_point_again_and_checks_nothing_else(
     assert {k: v for k, v in again.items() if k != contract.RESUME_FROM} == {
         k: v for k, v in first.items() if k != contract.RESUME_FROM
     }
+
+
+def test_an_account_that_cannot_be_sent_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A queued account (``soon``) whose push fails neither fails the push it follows (the group's,
+    which must land: a group nobody can find would be torn down) nor is retried for ever."""
+
+    class _Refusing(_TaskInstance):
+        def xcom_push(self, key: str, value: Any) -> None:
+            if key == "checkpoint_uri":
+                raise RuntimeError("API server said 503")
+            super().xcom_push(key, value)
+
+    ti = _Refusing()
+    io = TaskIO(
+        context={"ti": ti}, where="task d.train", log=logging.getLogger("test"), backend=None, preflight_budget=5
+    )  # type: ignore[arg-type]
+    io.push("checkpoint_uri", "file:///c", soon=True)
+    io.push("resumed_from", None, soon=True)
+    assert ti.xcom == {}
+    with caplog.at_level(logging.WARNING, logger="test"):
+        io.push("group", {"group_id": "g"})
+    assert ti.xcom == {"group": {"group_id": "g"}, "resumed_from": None}
+    assert "Could not publish XCom checkpoint_uri: API server said 503" in caplog.text
+    io.flush()  # nothing left to send
+    assert io.pushed["checkpoint_uri"] == "file:///c"

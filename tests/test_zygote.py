@@ -130,6 +130,9 @@ def test_a_launch_forks_each_nodes_supervisor_and_agent_from_the_zygote(tmp_path
     zygote_pid = _zygote_pid(zygotes)
     # Its spares, forked ahead of the requests: a launch waits for no fork of a process holding torch.
     spares = _until(lambda: len(_children(zygote_pid)) == zygote.SPARES and _children(zygote_pid), what="spares")
+    for spare in spares:  # a spare the zygote's death left behind would keep the next zygote from starting
+        held = [os.readlink(fd) for fd in Path(f"/proc/{spare}/fd").iterdir() if fd.is_symlink()]
+        assert not any(h.endswith(".sock.lock") for h in held), held
 
     backend, second = _launch(tmp_path, "second", sleep_s=3)
     try:

@@ -768,10 +768,12 @@ class RunEngine:
         """The try's outcome is known: the contract is told, the timeline completed and published,
         the goodput ledger made (XCom, the task log's summary, kept for later tries)."""
         self._ledger(final=False)  # what the contract publishes (MLflow) as it ends: made, not pushed
-        self.contract.ended(handle, succeeded)
-        self.timeline.mark(Mark.TRY_ENDED, time.time(), outcome="succeeded" if succeeded else "failed")
-        self._publish_timeline()
-        self._ledger(final=True)
+        try:
+            self.contract.ended(handle, succeeded)
+        finally:
+            self.timeline.mark(Mark.TRY_ENDED, time.time(), outcome="succeeded" if succeeded else "failed")
+            self._publish_timeline()
+            self._ledger(final=True)
 
     def _publish_timeline(self) -> None:
         try:

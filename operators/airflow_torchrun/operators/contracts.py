@@ -60,22 +60,28 @@ class TaskIO:
         return index if isinstance(index, int) else -1
 
     def push(self, key: str, value: Any, *, soon: bool = False) -> None:
-        """XCom ``key``. ``soon``: an account only (what the UI and links show), sent with the next
+        """XCom ``key``. ``soon``: an account only (what the UI and links show), sent after the next
         push that is not, or by :meth:`flush`: a push is a round trip to the API server, and the
         preflight's accounts would otherwise hold the launch up (the engine's first push follows the
-        launch; a try that fails before it flushes on its way out)."""
+        launch; a try that ends before it flushes on its way out)."""
         self.pushed[key] = value
         if soon:
             self._soon[key] = value
             return
-        self.flush()
+        self._soon.pop(key, None)
         self.ti.xcom_push(key=key, value=value)
+        self.flush()
 
     def flush(self) -> None:
-        """Send the accounts pushed with ``soon``, in the order they were pushed."""
+        """Send the accounts pushed with ``soon``, in the order they were pushed; one that cannot be
+        sent is a warning (an account, never a reason to fail a try or tear its group down)."""
         while self._soon:
             key = next(iter(self._soon))
-            self.ti.xcom_push(key=key, value=self._soon.pop(key))
+            value = self._soon.pop(key)
+            try:
+                self.ti.xcom_push(key=key, value=value)
+            except Exception as exc:
+                self.log.warning("Could not publish XCom %s: %s", key, exc)
 
     def preflight(self, what: str, call: Callable[[], T]) -> T:
         return preflight(call, what=what, where=self.where, budget=self.preflight_budget, log=self.log)

@@ -111,15 +111,11 @@ def _drive(
 
 
 def _flush(op: GroupOperator) -> None:
-    """A try that ends before its group launched: the accounts its preflight pushed ``soon``
-    (the checkpoint root, the links' placeholders) are sent all the same; best effort."""
-    io = getattr(op, "_io", None)
-    if io is None:
-        return
-    try:
-        io.flush()
-    except Exception as exc:
-        op.log.warning("Could not publish the try's accounts: %s", exc)
+    """A try that leaves by an exception (one before its group launched, or a deferral): the
+    accounts its preflight pushed ``soon`` (the checkpoint root, the links' placeholders) are sent
+    all the same, where no push after the launch sent them; best effort (:meth:`TaskIO.flush`)."""
+    if op._io is not None:
+        op._io.flush()
 
 
 def _deferring(op: GroupOperator, engine: RunEngine) -> Callable[[GroupHandle, Launches], NoReturn] | None:

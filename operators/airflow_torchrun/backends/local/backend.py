@@ -124,6 +124,8 @@ class LocalBackend(Backend[LocalHandle]):
         self._log_reader = _LineReader()
         self._progress_reader = _LineReader(log_read_limit)
         self._folders: dict[Path, diagnosis.AgentTracebackFolder] = {}
+        # Per group: how many nodes' outcomes (exit.json) the last look read (see :meth:`pause`).
+        self._outcomes_seen: dict[str, int] = {}
 
     @classmethod
     def from_handle(cls, handle: LocalHandle) -> LocalBackend:
@@ -338,7 +340,9 @@ class LocalBackend(Backend[LocalHandle]):
 
     # -- watching ---------------------------------------------------------------------------
     def observe(self, handle: LocalHandle) -> list[NodeObservation]:
-        return [self._observe_node(handle, n) for n in range(handle.num_nodes)]
+        nodes = [self._observe_node(handle, n) for n in range(handle.num_nodes)]
+        self._outcomes_seen[handle.group_id] = sum(n.exit_code is not None for n in nodes)
+        return nodes
 
     async def observe_async(self, handle: LocalHandle) -> list[NodeObservation]:
         # Reading a few small files; run off the event loop all the same.
@@ -346,9 +350,12 @@ class LocalBackend(Backend[LocalHandle]):
 
     def pause(self, handle: LocalHandle, seconds: float) -> None:
         """Sleep until the next look, or until a node's supervisor exits (its outcome is on disk then):
-        a finished group is seen at once instead of up to ``poll_interval`` later."""
-        fds = _running_supervisors(handle)
+        a finished group is seen at once instead of up to ``poll_interval`` later. An outcome
+        recorded since the last look (a supervisor that exited in between) ends it at once."""
+        fds, outcomes = _running_supervisors(handle)
         try:
+            if outcomes > self._outcomes_seen.get(handle.group_id, 0):
+                return
             poller = select.poll()
             for fd in fds:
                 poller.register(fd, select.POLLIN)
@@ -360,9 +367,11 @@ class LocalBackend(Backend[LocalHandle]):
     async def pause_async(self, handle: LocalHandle, seconds: float) -> None:
         """:meth:`pause` on the triggerer's event loop, which watches the pidfds itself (found off it,
         like :meth:`observe_async`'s reads)."""
-        fds = await asyncio.to_thread(_running_supervisors, handle)
+        fds, outcomes = await asyncio.to_thread(_running_supervisors, handle)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
+        if outcomes > self._outcomes_seen.get(handle.group_id, 0):
+            exited.set_result(None)
 
         def wake() -> None:
             if not exited.done():
@@ -685,20 +694,25 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _running_supervisors(handle: LocalHandle) -> list[int]:
+def _running_supervisors(handle: LocalHandle) -> tuple[list[int], int]:
     """A pidfd (readable once it exits) for the supervisor of each node whose outcome is not on disk
-    yet. One already gone without an outcome is left to the next look (it sees the node lost)."""
+    yet, and how many outcomes are. One already gone without an outcome is left to the next look (it
+    sees the node lost)."""
     fds: list[int] = []
+    outcomes = 0
     for node_rank in range(handle.num_nodes):
         node_dir = Path(handle.group_dir) / f"node-{node_rank}"
+        if (node_dir / "exit.json").exists():
+            outcomes += 1
+            continue
         sup = _read_json(node_dir / "supervisor.json")
-        if sup is None or not isinstance(sup.get("pid"), int) or (node_dir / "exit.json").exists():
+        if sup is None or not isinstance(sup.get("pid"), int):
             continue
         try:
             fds.append(os.pidfd_open(sup["pid"]))
         except ProcessLookupError:
             continue
-    return fds
+    return fds, outcomes
 
 
 def _supervisors(group_dir: Path) -> set[int]:

@@ -427,22 +427,29 @@ def fork_agent(command: Sequence[str], log: IO[bytes], env: Mapping[str, str]) -
 # -- the zygote ------------------------------------------------------------------------------
 # Forked ahead of the requests: a fork of a process that holds torch takes 7 ms on 2 cores, which a
 # launch would otherwise wait for, node after node. A spare blocks in ``accept``; the one the kernel
-# hands a connection to becomes that node's supervisor, and the zygote forks another in its place.
+# hands a connection to becomes that node's supervisor, and the zygote forks the spares taken again
+# once the launch's requests stop coming.
 SPARES = 4
 _PR_SET_PDEATHSIG = 1
 
 
-def _spare(listener: socket.socket, taken: int) -> None:
+def _spare(listener: socket.socket, taken: int, zygote: int) -> None:
     """A spare's life: wait for one request, say so on ``taken`` (its pid), serve it as its supervisor.
-    Waiting, it dies with the zygote; serving, it outlives it (a running group never depends on it)."""
+    Waiting, it dies with the zygote (pid ``zygote``: however the zygote ends, it kills no spare
+    itself); serving, it outlives it (a running group never depends on it). One that took a request
+    and died with the zygote before it answered leaves its caller to start the node itself."""
+    global _LOCK
     libc = ctypes.CDLL(None, use_errno=True)
-    zygote = os.getppid()
     code = 0
     try:
+        if _LOCK is not None:  # (the zygote holds it; a spare left behind must not)
+            _LOCK.close()
+            _LOCK = None
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the zygote around the fork
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote:  # the zygote died before the line above
             _exit(0)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         listener.settimeout(None)
         conn, _ = listener.accept()
         libc.prctl(_PR_SET_PDEATHSIG, 0)
@@ -459,10 +466,7 @@ def _spare(listener: socket.socket, taken: int) -> None:
 
 def _taken(pipe: int) -> set[int]:
     """The spares that said they took a request (their pids, 4 bytes each: one write, never split)."""
-    try:
-        data = os.read(pipe, 4096)
-    except BlockingIOError:
-        return set()
+    data = os.read(pipe, 4096)
     return {pid for (pid,) in struct.iter_unpack("!i", data[: len(data) // 4 * 4])}
 
 
@@ -581,16 +585,20 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, leave)
     taken_r, taken_w = os.pipe()
+    zygote_pid = os.getpid()
     spares: set[int] = set()
     last = time.monotonic()
     try:
         while _ours(path, inode) and time.monotonic() - last < args.idle:
             spares = {pid for pid in spares if pid_alive(pid)}  # (one killed by hand is replaced)
             while len(spares) < SPARES:
+                # SIGTERM waits until the spare has its own handler (the zygote's would run in it).
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 pid = os.fork()
                 if pid == 0:
                     os.close(taken_r)
-                    _spare(listener, taken_w)
+                    _spare(listener, taken_w, zygote_pid)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 spares.add(pid)
             ready, _, _ = select.select([taken_r], [], [], min(_LOOK_S, args.idle))
             if ready:
@@ -600,12 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                 while spares and select.select([taken_r], [], [], _SETTLE_S)[0]:
                     spares -= _taken(taken_r)
                 last = time.monotonic()
-    finally:
-        os.set_blocking(taken_r, False)
-        spares -= _taken(taken_r)
-        for pid in spares:  # waiting ones only: those that took a request are supervisors now
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    finally:  # (the waiting spares die with this process: their PR_SET_PDEATHSIG)
         if _ours(path, inode):
             with contextlib.suppress(OSError):
                 path.unlink()
