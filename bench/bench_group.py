@@ -12,7 +12,10 @@
    once) and with ``AIRFLOW_TORCHRUN_RANK_START=exec`` and ``AIRFLOW_TORCHRUN_AGENT_START=exec``
    (each agent and rank a new interpreter, as bare torchrun starts them): the first is what a user
    gets, the second isolates the operator's own fixed cost, the overhead rows' figure and the one
-   the repeat rule follows.
+   the repeat rule follows. The same cost is also read from the try's own timeline: all of the
+   task's wall time but its group's life (task start -> launched, group exited -> task end), the
+   "operator's own time" rows (mean and 95% interval; goal <= 0.15 s): no launcher in it, so none of
+   the interpreters' start-up noise that widens the paired rows.
 2. Where the time goes, phase by phase, for 2x1 and 2x2: the operator's phases from the try's own
    timeline (XCom ``timeline``, ``airflow_torchrun/timeline.py``), the job's moments (started,
    process group joined, first and last step) from its events file, the same for bare torchrun.
