@@ -608,3 +608,26 @@ def test_the_triggers_pause_ends_when_a_running_nodes_supervisor_exits(tmp_path)
         sleeper.kill()
         sleeper.wait()
     assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def test_a_teardowns_wait_ends_when_a_process_exits(tmp_path):
+    """stop_group waits for a signalled process by its pidfd: it sees it gone when it exits, not at
+    its next look (it looked every 50 ms: a teardown of a finished group took that long now and then)."""
+    from airflow_torchrun.backends.local.procs import until_one_exits
+
+    leaving = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    staying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = time.monotonic()
+        until_one_exits([leaving.pid, staying.pid], 60.0)
+        assert time.monotonic() - started < 30, "the wait slept its whole time instead of waking on the exit"
+        assert leaving.poll() is not None or leaving.wait(5) == 0
+        started = time.monotonic()
+        until_one_exits([leaving.pid], 60.0)  # one already gone: at once (reaped, or a zombie: exited)
+        assert time.monotonic() - started < 30
+        started = time.monotonic()
+        until_one_exits([staying.pid], 0.2)
+        assert time.monotonic() - started >= 0.19  # none exits: the whole time
+    finally:
+        staying.kill()
+        staying.wait()

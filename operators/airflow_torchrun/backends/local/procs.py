@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Collection
@@ -140,6 +141,30 @@ def signal_pids(pids: list[int], sig: int) -> None:
             pass
 
 
+def until_one_exits(pids: Collection[int], seconds: float) -> None:
+    """Sleep until one of ``pids`` exits (its pidfd readable), one is already gone, or ``seconds``:
+    a process that leaves a moment after its signal is seen at once, not at the next poll."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                return
+            except (AttributeError, OSError):  # no pidfds here (old kernel, out of descriptors): a plain sleep
+                break
+        if len(fds) < len(pids):
+            time.sleep(seconds)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, round(seconds * 1000)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def stop_group(
     group_id: str,
     *,
@@ -167,8 +192,8 @@ def stop_group(
         """What is still running once everything is gone, or after ``seconds``."""
         deadline = time.monotonic() + seconds
         pids = left()
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while pids and (remaining := deadline - time.monotonic()) > 0:
+            until_one_exits(pids, min(0.05, remaining))
             pids = left()
         return pids
 
