@@ -485,6 +485,12 @@ def phase_table(bare: dict[Layout, Side], ours: dict[Layout, Side]) -> list[dict
     return table
 
 
+def _within_goal(measure: str, values: list[float], note: str = "") -> dict[str, object]:
+    """A row of the mean of ``values`` (seconds) with its 95% interval, against the 0.15 s goal."""
+    ci = mean_interval(values)
+    return row(measure, ci.mean, "goal", 0.15, "s", repeats=len(values), interval=(ci.low, ci.high), note=note)
+
+
 def report_rows(
     bare: dict[Layout, Side],
     ours: dict[Layout, Side],
@@ -511,35 +517,12 @@ def report_rows(
         exec_wall = Samples(execd[layout].wall)
         execd_label = f"operator task wall time, {label}, agents and ranks exec'd as torchrun's"
         rows.append(row(execd_label, exec_wall, anchor, b, "s"))
-        diffs = differences(execd[layout], bare[layout])
-        ci = mean_interval(diffs)
-        rows.append(
-            row(
-                f"operator fixed overhead, {name(layout)} (task with agents and ranks exec'd - bare, paired; mean)",
-                ci.mean,
-                "goal",
-                0.15,
-                "s",
-                repeats=len(diffs),
-                interval=(ci.low, ci.high),
-                note=stopped.get(layout, ""),
-            )
-        )
+        paired = f"operator fixed overhead, {name(layout)} (task with agents and ranks exec'd - bare, paired; mean)"
+        rows.append(_within_goal(paired, differences(execd[layout], bare[layout]), stopped.get(layout, "")))
         own = [p[OWN] for p in execd[layout].phases if OWN in p]
         if own:
-            ci = mean_interval(own)
-            rows.append(
-                row(
-                    f"operator's own time per try, {name(layout)}, agents and ranks exec'd (its timeline: all but "
-                    "the group's life; mean)",
-                    ci.mean,
-                    "goal",
-                    0.15,
-                    "s",
-                    repeats=len(own),
-                    interval=(ci.low, ci.high),
-                )
-            )
+            timeline = f"operator's own time per try, {name(layout)}, agents and ranks exec'd (its timeline: all but "
+            rows.append(_within_goal(timeline + "the group's life; mean)", own))
         rows.append(row(f"whole dag.test() run, {name(layout)}", Samples(ours[layout].whole), anchor, b, "s"))
     k = Samples(kill)
     rows.append(row("rank SIGKILLed -> every group process gone (median)", k, "goal (median)", 1.0, "s"))
