@@ -104,7 +104,7 @@ def test_a_missing_bucket_fails_at_once_without_retry(run_dag, tiny_script, rest
     assert "does not exist" in result.log and "A retry cannot fix this" in result.log
     assert time.monotonic() - started < 50, "a permanent error must not wait out the budget"
     # What the preflight pushed before it failed is published all the same (the view lists the root).
-    assert result.xcom("train", key="checkpoint_uri") == "s3://no-such-bucket-here/ckpt"  # _flush
+    assert result.xcom("train", key="checkpoint_uri") == "s3://no-such-bucket-here/ckpt"  # sent on the way out
 
 
 def test_tracking_down_when_training_ends_does_not_fail_the_task(

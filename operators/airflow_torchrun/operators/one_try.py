@@ -102,20 +102,13 @@ def _drive(
         engine.deadline = engine.deadline_of(context, op.execution_timeout, handle.launched_at)
         handle, verdict = engine.drive(handle, launches, verdict=verdict, seen=seen, defer=_deferring(op, engine))
     except TorchrunError as exc:  # a launch the API refused, a teardown that did not get through
-        _flush(op)
         raise under_policy(exc, op._where) from exc
-    except BaseException:
-        _flush(op)
-        raise
+    finally:
+        # What the preflight pushed ``soon`` (the checkpoint root, the links' placeholders), where no
+        # push after the launch sent it: a try that failed before it, a deferral; best effort.
+        if op._io is not None:
+            op._io.flush()
     return engine.conclude(handle, verdict)
-
-
-def _flush(op: GroupOperator) -> None:
-    """A try that leaves by an exception (one before its group launched, or a deferral): the
-    accounts its preflight pushed ``soon`` (the checkpoint root, the links' placeholders) are sent
-    all the same, where no push after the launch sent them; best effort (:meth:`TaskIO.flush`)."""
-    if op._io is not None:
-        op._io.flush()
 
 
 def _deferring(op: GroupOperator, engine: RunEngine) -> Callable[[GroupHandle, Launches], NoReturn] | None:

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import secrets
-import select
 import signal
 import socket
 import subprocess
@@ -44,7 +43,14 @@ from airflow_torchrun.backends.handles import (
     bounded_int,
 )
 from airflow_torchrun.backends.local import zygote
-from airflow_torchrun.backends.local.procs import group_pids, groups_running, pid_alive, signal_pids, stop_group
+from airflow_torchrun.backends.local.procs import (
+    group_pids,
+    groups_running,
+    pid_alive,
+    signal_pids,
+    stop_group,
+    until_readable,
+)
 from airflow_torchrun.backends.local.supervisor import RANK_FAILED_FILE, WORKERS_FILE
 from airflow_torchrun.contract.launch import AGENT_START_VAR, GATE_FILE, RANK_START_VAR
 from airflow_torchrun.errors import GroupLaunchError
@@ -289,22 +295,16 @@ class LocalBackend(Backend[LocalHandle]):
                 env = {**os.environ, **node.env, "TORCHELASTIC_ERROR_FILE": str(node_dir / "agent-error.json")}
                 if profile is not None:
                     env["AWS_CONFIG_FILE"] = str(profile)
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "airflow_torchrun.backends.local.supervisor",
-                    f"--node-dir={node_dir}",
-                    f"--grace={plan.spec.teardown_grace}",
-                ]
+                args = [f"--node-dir={node_dir}", f"--grace={plan.spec.teardown_grace}"]
                 if watch_caller:
-                    argv.append(f"--watch-pid={os.getpid()}")
-                argv += ["--", *node.argv]
+                    args.append(f"--watch-pid={os.getpid()}")
+                args += ["--", *node.argv]
                 if env.get(AGENT_START_VAR) == "fork":
                     process = process or zygote.process_stamp()
-                    if zygote.spawn(argv[3:], env, os.getcwd(), node_dir / "supervisor.log", process=process):
+                    if zygote.spawn(args, env, os.getcwd(), node_dir / "supervisor.log", process=process):
                         continue  # forked by the zygote, torch imported
                 subprocess.Popen(
-                    argv,
+                    [sys.executable, "-m", zygote.SUPERVISOR_MODULE, *args],
                     env=env,
                     cwd=os.getcwd(),
                     start_new_session=True,
@@ -356,10 +356,7 @@ class LocalBackend(Backend[LocalHandle]):
         try:
             if outcomes > self._outcomes_seen.get(handle.group_id, 0):
                 return
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            poller.poll(max(0, round(seconds * 1000)))  # with no fd: a plain sleep
+            until_readable(fds, seconds)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -43,13 +43,19 @@ def _environ(pid: int) -> dict[bytes, bytes]:
     return {k: v for k, _, v in pairs}
 
 
-def _is_zombie(pid: int) -> bool:
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first; ``pid`` may be
+    ``"self"``), None when gone. The name is in parentheses and may hold spaces and parentheses."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fp:
-            # the state follows the command name, which is in parentheses and may hold spaces
-            return fp.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            return fp.read().rsplit(b")", 1)[1].decode().split()
     except (OSError, IndexError):
-        return True
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def pid_alive(pid: int) -> bool:
@@ -156,13 +162,19 @@ def until_one_exits(pids: Collection[int], seconds: float) -> None:
         if len(fds) < len(pids):
             time.sleep(seconds)
             return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(max(0, round(seconds * 1000)))
+        until_readable(fds, seconds)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def until_readable(fds: Collection[int], seconds: float) -> None:
+    """Sleep until one of ``fds`` (pidfds: readable once their process exited) is readable, or
+    ``seconds``; with none, a plain sleep. The caller closes them."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(max(0, round(seconds * 1000)))
 
 
 def stop_group(

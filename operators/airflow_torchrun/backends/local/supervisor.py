@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_torchrun.backends.local import zygote
-from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, recorded_rank, stop_group
+from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, recorded_rank, stat_fields, stop_group
 from airflow_torchrun.backends.local.zygote import ForkedAgent
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE, RANKS_FILE_VAR
 
@@ -60,15 +60,6 @@ class _Worker:
     fd: int | None  # a pidfd (readable once the process died), where the kernel has them
     rank: int | None = None
     local_rank: int | None = None
-
-
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            return fp.read().rsplit(b")", 1)[1].decode().split()
-    except (OSError, IndexError):
-        return None
 
 
 def signal_name(signum: int) -> str:
@@ -122,7 +113,7 @@ class _WorkerWatch:
         for pid in self._children():
             if pid in self.workers:
                 continue
-            fields = _stat(pid)
+            fields = stat_fields(pid)
             if fields is None or (pid, fields[self._START]) in self.ended_ones:
                 continue  # gone (and reaped) before it was seen, the agent's exit tells; or recorded
             # A zombie is a worker that died before it was seen (a forked rank can fail within
@@ -161,7 +152,7 @@ class _WorkerWatch:
         for worker in list(self.workers.values()):
             if worker.fd is not None and worker.fd not in readable:
                 continue
-            fields = _stat(worker.pid)
+            fields = stat_fields(worker.pid)
             alive = fields is not None and fields[self._START] == worker.started
             if alive and fields is not None and fields[self._STATE] != "Z":
                 continue

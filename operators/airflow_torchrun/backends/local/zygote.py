@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from airflow_torchrun.backends.local.procs import pid_alive
+from airflow_torchrun.backends.local.procs import pid_alive, stat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def start(path: Path, env: Mapping[str, str]) -> None:
         logger.info("could not start a zygote at %s: %s", path, exc)
 
 
-def stop_all(directory: Path, timeout: float = 10.0) -> list[int]:
+def stop_all(directory: Path) -> list[int]:
     """SIGTERM every zygote with a pid file in ``directory`` (a test session's end); their pids."""
     pids = []
     for pid_file in directory.glob("*.sock.pid"):
@@ -297,8 +297,9 @@ def stop_all(directory: Path, timeout: float = 10.0) -> list[int]:
 # -- the marks a forked process carries ------------------------------------------------------
 def _regions() -> tuple[tuple[int, int], tuple[int, int]]:
     """This process's exec-time command line and environment: (start, end) addresses of each."""
-    with open("/proc/self/stat", "rb") as fp:
-        fields = fp.read().rsplit(b")", 1)[1].split()
+    fields = stat_fields("self")
+    if fields is None:
+        raise OSError("cannot read /proc/self/stat")
     arg = (int(fields[_ARG_START]), int(fields[_ARG_START + 1]))
     env = (int(fields[_ENV_START]), int(fields[_ENV_START + 1]))
     return arg, env
@@ -496,8 +497,6 @@ def _serve(conn: socket.socket) -> None:
 def _supervisor(conn: socket.socket, fds: list[int], request: dict[str, Any]) -> None:
     code = 1
     try:
-        if _LOCK is not None:
-            _LOCK.close()  # (a child holding it would keep the next zygote of this kind from starting)
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
