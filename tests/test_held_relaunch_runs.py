@@ -157,7 +157,12 @@ def test_a_sigterm_save_of_the_failed_group_is_where_the_restart_resumes(run_dag
     thread.start()
     result = run_dag(
         _train_task(
-            ["--epochs", "8", "--checkpoint-every", "0", "--log-every", "1"], retries=0, max_restarts=1, track=False
+            # 40 epochs (880 steps, about 3 s): a SIGTERM seen at step 20 must find rank 1 still training. With
+            # 8 (176 steps, 0.5 s) it came after the last step under CI's load and the group just succeeded.
+            ["--epochs", "40", "--checkpoint-every", "0", "--log-every", "1"],
+            retries=0,
+            max_restarts=1,
+            track=False,
         ),
         imports=IMPORTS,
     )
