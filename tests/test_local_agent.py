@@ -264,3 +264,55 @@ def test_a_failed_ranks_traceback_is_logged_without_importing_dynamo() -> None:
     assert any(re.search(r"^E\d{4} .*\] failed \(exitcode: 1\)$", line) for line in lines)
     assert any(line.endswith("] Traceback (most recent call last):") for line in lines), done.stderr
     assert any(line.endswith("] RuntimeError: process 0 terminated with exit code 1") for line in lines), done.stderr
+
+
+def test_a_static_client_connects_only_once_node_0s_store_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's client would connect at once and, refused, back off for 0.4 to 0.6 s after the store
+    is up; the agent's client first waits for node 0's port to listen, so torch finds it up."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous as static
+
+    from airflow_torchrun.backends.local import agent
+
+    monkeypatch.setattr(static.StaticTCPRendezvous, "next_rendezvous", static.StaticTCPRendezvous.next_rendezvous)
+    agent._connect_once_node_0_listens()
+    port, listening_at_connect = _free_port(), []
+
+    def recording_store(host: str, port_: int, *args: object, **kwargs: object) -> dist.TCPStore:
+        with socket.socket() as probe:
+            listening_at_connect.append(probe.connect_ex((host, port_)) == 0)
+        return dist.TCPStore(host, port_, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(static, "TCPStore", recording_store)
+    joined: list[object] = []
+    node_1 = static.StaticTCPRendezvous("127.0.0.1", port, rank=1, world_size=2, run_id="g", timeout=60)
+    client = threading.Thread(target=lambda: joined.append(node_1.next_rendezvous()))
+    client.start()
+    time.sleep(0.3)  # node 0's agent still importing torch
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    client.join(timeout=30)
+    assert joined and listening_at_connect == [True]
+    server.set("k", "v")
+    assert node_1._store is not None and node_1._store.get("k") == b"v"
+
+
+def test_a_static_client_whose_node_0_never_listens_fails_at_the_rendezvous_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wait for node 0's port is the rendezvous's timeout, not one more before torchrun's own."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous as static
+
+    from airflow_torchrun.backends.local import agent
+
+    monkeypatch.setattr(static.StaticTCPRendezvous, "next_rendezvous", static.StaticTCPRendezvous.next_rendezvous)
+    agent._connect_once_node_0_listens()
+    node_1 = static.StaticTCPRendezvous("127.0.0.1", _free_port(), rank=1, world_size=2, run_id="g", timeout=3)
+    began = time.monotonic()
+    with pytest.raises(dist.DistError):
+        node_1.next_rendezvous()
+    assert time.monotonic() - began < 3 + 2.5  # twice the timeout would be 6 s
+    assert node_1.timeout.total_seconds() == 3
