@@ -236,6 +236,18 @@ def test_agent_start_exec_does_without_the_zygote(tmp_path, zygotes):
     assert _end(backend, execd).state is Outcome.SUCCEEDED
 
 
+def test_an_execd_supervisor_imports_only_what_it_needs_before_its_agent_starts():
+    """An exec'd supervisor's imports come before its agent starts: none of the zygote's (its
+    fork of the agent is for a supervisor forked from one), no dataclasses, torch or Airflow."""
+    import subprocess
+    import sys
+
+    heavy = ("airflow_torchrun.backends.local.zygote", "dataclasses", "inspect", "tempfile", "torch", "airflow")
+    code = f"import sys, airflow_torchrun.backends.local.supervisor\nprint(sorted(set({heavy!r}) & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_a_zygote_directory_others_can_enter_is_not_used(tmp_path, monkeypatch, caplog):
     """Its socket would let another user run commands as this one: no zygote, and the node starts
     as a new interpreter."""
