@@ -25,7 +25,8 @@ to 0.62 s after the store was up (measured on this 2-core machine: a ``TCPStore`
 0.05 to 0.8 s before its server). With agents that start as new interpreters, node 0's was still
 importing torch in about half the launches, and the group started that much later. Here such an agent
 tries a plain TCP connection every ``STORE_POLL_S`` until node 0's port accepts one, then lets torchrun
-connect: it finds the store up. The wait is bounded by the rendezvous's timeout, as torchrun's.
+connect: it finds the store up. The wait is bounded by the rendezvous's timeout, as torchrun's, and ends
+in the error torchrun's client raises when it cannot connect (``DistNetworkError``), naming that timeout.
 
 One more difference: a termination signal after the first is ignored. torchrun's handler raises
 where the agent happens to be, so a second SIGTERM (a teardown reaches the agent directly and through
@@ -51,7 +52,6 @@ Only the local backend runs it (its Python is this package's); a Kubernetes pod 
 from __future__ import annotations
 
 import atexit
-import datetime
 import json
 import logging
 import os
@@ -305,8 +305,9 @@ def until_listening(host: str, port: int, timeout_s: float) -> bool:
     """Whether ``host:port`` accepted a TCP connection within ``timeout_s`` (tried every ``STORE_POLL_S``)."""
     deadline = time.monotonic() + timeout_s
     while True:
+        left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(STORE_POLL_S, 1.0)):
+            with socket.create_connection((host, port), timeout=min(1.0, max(left, STORE_POLL_S))):
                 return True
         except OSError:
             if time.monotonic() >= deadline:
@@ -316,26 +317,23 @@ def until_listening(host: str, port: int, timeout_s: float) -> bool:
 
 def _connect_once_node_0_listens() -> None:
     """A static rendezvous's client (every node but 0) connects once node 0's store port listens."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
     next_rendezvous = StaticTCPRendezvous.next_rendezvous
 
     def when_listening(handler: Any) -> Any:
-        if handler.rank == 0 or handler._store is not None:
-            return next_rendezvous(handler)
-        timeout = handler.timeout
-        if until_listening(handler.master_addr, handler.master_port, timeout.total_seconds()):
-            return next_rendezvous(handler)
-        # The rendezvous's time is up: torchrun's own connect fails now, with its own error, not
-        # after a second timeout (and should node 0 answer at the last moment, its store keeps the
-        # rendezvous's timeout for what follows).
-        handler.timeout = datetime.timedelta(seconds=1)
-        try:
-            return next_rendezvous(handler)
-        finally:
-            handler.timeout = timeout
-            if handler._store is not None:
-                handler._store.set_timeout(timeout)
+        if handler.rank != 0 and handler._store is None:
+            host, port, timeout = handler.master_addr, handler.master_port, handler.timeout.total_seconds()
+            if not until_listening(host, port, timeout):
+                # What torchrun's client raises when it cannot connect, but after the rendezvous's
+                # timeout once (torchrun's own connect would start a second one) and naming it.
+                raise DistNetworkError(
+                    f"node 0's rendezvous store at {host}:{port} did not accept a connection within the "
+                    f"rendezvous timeout of {timeout:.0f} s (rdzv_timeout): node 0's agent did not start, "
+                    "or something between the nodes refuses the port"
+                )
+        return next_rendezvous(handler)
 
     StaticTCPRendezvous.next_rendezvous = when_listening  # type: ignore[method-assign,assignment]
 
