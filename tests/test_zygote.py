@@ -236,6 +236,7 @@ def test_agent_start_exec_does_without_the_zygote(tmp_path, zygotes):
     assert _end(backend, execd).state is Outcome.SUCCEEDED
 
 
+@pytest.mark.slow  # a fresh interpreter: its imports are the point
 def test_an_execd_supervisor_imports_only_what_it_needs_before_its_agent_starts():
     """An exec'd supervisor's imports come before its agent starts: none of the zygote's (its
     fork of the agent is for a supervisor forked from one), no dataclasses, torch or Airflow."""
