@@ -521,8 +521,11 @@ def report_rows(
         rows.append(_within_goal(paired, differences(execd[layout], bare[layout]), stopped.get(layout, "")))
         own = [p[OWN] for p in execd[layout].phases if OWN in p]
         if own:
-            timeline = f"operator's own time per try, {name(layout)}, agents and ranks exec'd (its timeline: all but "
-            rows.append(_within_goal(timeline + "the group's life; mean)", own))
+            own_label = (
+                f"operator's own time per try, {name(layout)}, agents and ranks exec'd "
+                "(its timeline: all but the group's life; mean)"
+            )
+            rows.append(_within_goal(own_label, own))
         rows.append(row(f"whole dag.test() run, {name(layout)}", Samples(ours[layout].whole), anchor, b, "s"))
     k = Samples(kill)
     rows.append(row("rank SIGKILLed -> every group process gone (median)", k, "goal (median)", 1.0, "s"))
