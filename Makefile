@@ -107,9 +107,11 @@ chaos: $(STAMP)
 
 # Every benchmark with its anchors (Ray Train in its own venv, .state/bench/ray-venv); the report
 # goes to .state/bench/ and, published, to bench/results/ and the README. BENCH_ARGS=--quick: smoke run.
+# CLUSTER=1: start the cluster of `make cluster` for the cluster rows only (then stop it), so that no
+# control plane runs beside the other benchmarks; without it, those rows use a cluster already up.
 BENCH_ARGS ?= --publish
 bench: $(STAMP)
-	$(PY) bench/run.py $(BENCH_ARGS)
+	$(PY) bench/run.py $(BENCH_ARGS) $(if $(CLUSTER),--cluster-up)
 
 # The trainer image built from nothing (cached under .state/image-test) and the rendered pods of a
 # 2-node Job run as containers of it; needs docker.io and debootstrap (see images/image_test.py).
