@@ -111,7 +111,7 @@ chaos: $(STAMP)
 # control plane runs beside the other benchmarks; without it, those rows use a cluster already up.
 BENCH_ARGS ?= --publish
 bench: $(STAMP)
-	$(PY) bench/run.py $(BENCH_ARGS) $(if $(CLUSTER),--cluster-up)
+	$(PY) bench/run.py $(BENCH_ARGS) $(if $(filter 1,$(CLUSTER)),--cluster-up)
 
 # The trainer image built from nothing (cached under .state/image-test) and the rendered pods of a
 # 2-node Job run as containers of it; needs docker.io and debootstrap (see images/image_test.py).

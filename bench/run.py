@@ -384,7 +384,8 @@ def markdown(report: dict[str, Any], chart: str | None = None) -> str:
             "",
             f"Machine: {machine.get('cpus')} CPUs, load average {machine.get('load_start')} at the start and "
             f"{machine.get('load_end')} at the end (other jobs share the machine); the whole run took "
-            f"{machine.get('wall_s')} s. Command: `{machine.get('command')}`.",
+            f"{machine.get('wall_s')} s. Command: `{machine.get('command')}`."
+            + (f" The cluster of `make cluster`: {machine['cluster']}." if machine.get("cluster") else ""),
         ]
     lines += ["", noise_summary(report["rows"]), "", *table_lines(report["rows"])]
     if report.get("phases"):
@@ -516,15 +517,12 @@ def run_one(
     return list(json.loads(out.read_text()))
 
 
-def cluster_running() -> bool:
-    """Whether the cluster of ``make cluster`` answers, with its two nodes Ready."""
+def cluster_processes() -> list[str]:
+    """The components of the cluster of ``make cluster`` whose recorded process runs (none: no cluster)."""
     sys.path.insert(0, str(ROOT))
-    from cluster import kube
+    from cluster import up
 
-    try:
-        return kube.api_ready() and len(kube.ready_nodes()) == 2
-    except SystemExit:  # kubectl not built: no cluster was ever made here
-        return False
+    return up.running()
 
 
 def cluster_command(command: str, logs: Path) -> bool:
@@ -574,21 +572,31 @@ def main(argv: list[str] | None = None) -> int:
     phases: list[dict[str, Any]] = []
     failed: list[str] = []
     extra: dict[str, list[str]] = {}
+    cluster = ""  # the cluster of `make cluster` during bench_cluster, when that ran
     if any(b.name == "bench_recovery" for b in chosen):
         venv = ray_venv.ensure(Path(args.ray_venv), skip="skipped (--no-ray)" if args.no_ray else "")
         print(f"Ray anchor: {venv.python or venv.reason}", flush=True)
         extra["bench_recovery"] = ["--ray-python", str(venv.python)] if venv.python else ["--ray-missing", venv.reason]
     with tempfile.TemporaryDirectory(prefix="bench-run-") as scratch:
         for i, bench in enumerate(chosen, 1):
-            # Started here, the cluster is stopped again after its benchmark, whatever happened.
-            started = bench.name == "bench_cluster" and args.cluster_up and not cluster_running()
-            if started and not cluster_command("up", logs):
-                cluster_command("down", logs)  # what a failed start left, by PID
-                started = False  # bench_cluster then finds no cluster, and its rows say so
+            # Only a cluster started here is stopped here (after its benchmark, whatever happened); one
+            # that runs already, ready or not, is the user's and is left as it is.
+            own = False
             try:
+                if bench.name == "bench_cluster":
+                    found = bool(cluster_processes())
+                    own = args.cluster_up and not found
+                    cluster = "already running, not started by this run" if found else "none: its rows say not run"
+                if own:
+                    if cluster_command("up", logs):
+                        cluster = "started for its rows only, stopped after them"
+                    else:
+                        cluster_command("down", logs)  # what the failed start left, by PID
+                        own = False  # bench_cluster then finds no cluster, and its rows say so
+                        cluster = "failed to start (logs/cluster-up.log): its rows say not run"
                 rows = run_one(bench, args.quick, Path(scratch), logs, i, len(chosen), extra.get(bench.name, []))
             finally:
-                if started:
+                if own:
                     cluster_command("down", logs)
             if rows is None:
                 failed.append(bench.name)
@@ -603,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": round(os.getloadavg()[0], 1),
         "wall_s": round(time.perf_counter() - began),
         "command": command.strip(),
+        "cluster": cluster,
     }
     report = assemble(results, failed, date=date, quick=args.quick, machine=machine, phases=phases)
     return render(report, out, publish=args.publish)

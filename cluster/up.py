@@ -381,6 +381,15 @@ def down() -> None:
     say(f"cluster down ({unmounted} mounts removed, bridge {BRIDGE} deleted)")
 
 
+def running() -> list[str]:
+    """The components whose recorded process still runs: none where no cluster runs."""
+    st = state()
+    if not st.pids.is_dir():
+        return []
+    procs = Processes(st)
+    return [name for name in procs.names() if procs.pid(name) is not None]
+
+
 def status() -> int:
     st = state()
     procs = Processes(st)

@@ -308,18 +308,15 @@ def test_the_tmpfs_of_the_save_on_sigterm_is_a_tmpfs_with_room_or_none(tmp_path:
     pytest.importorskip("torch")
     import bench_checkpoint
 
-    assert bench_checkpoint.memory_root(1, tmp_path) is None  # not a tmpfs (the suite's tmp is on the disk)
-    shm = bench_checkpoint.MEMORY_ROOT
-    mounts = Path("/proc/self/mounts").read_text().split("\n")
-    if not any(line.split()[1:3] == [str(shm), "tmpfs"] for line in mounts if line):
-        pytest.skip(f"no tmpfs at {shm}")
-    assert bench_checkpoint.memory_root(10**9, shm) is None  # a petabyte: no room
-    made = bench_checkpoint.memory_root(1, shm)
+    assert bench_checkpoint.memory_root(1, tmp_path) is None  # no file system is mounted there
+    made = bench_checkpoint.memory_root(1)
+    if made is None:
+        pytest.skip(f"no tmpfs at {bench_checkpoint.MEMORY_ROOT}")
     try:
-        assert made is not None and made.parent == shm and made.is_dir() and not any(made.iterdir())
+        assert made.parent.samefile(bench_checkpoint.MEMORY_ROOT) and made.is_dir() and not any(made.iterdir())
+        assert bench_checkpoint.memory_root(10**9) is None  # a petabyte: no room
     finally:
-        if made is not None:
-            made.rmdir()
+        made.rmdir()
 
 
 def test_a_paired_row_repeats_until_its_interval_is_narrow_or_a_cap():
@@ -359,54 +356,101 @@ def test_the_repeat_rule_and_the_t_interval():
     assert RepeatRule(unit="").stopped_by([0.1] * 3, 1.0) == "3 pairs: the 95% interval reached +/-0.1"
 
 
-def test_cluster_up_starts_the_cluster_for_its_benchmark_only_and_stops_it_even_when_it_fails(
+class FakeCluster:
+    """``bench/run.py``'s view of the cluster of ``make cluster``: what it started and stopped, and
+    which benchmarks ran while it was up."""
+
+    def __init__(self, up: bool = False, starts: bool = True, fails: str = "") -> None:
+        self.up, self.starts, self.fails = up, starts, fails
+        self.calls: list[str] = []
+
+    def processes(self) -> list[str]:
+        return ["etcd", "kube-apiserver"] if self.up else []
+
+    def command(self, what: str, logs: Path) -> bool:
+        self.calls.append(f"cluster {what}")
+        self.up = what == "up" and self.starts
+        return what != "up" or self.starts
+
+    def run_one(self, bench, quick, scratch, logs, index, total, extra):
+        self.calls.append(f"{bench.name} (cluster {'up' if self.up else 'down'})")
+        if bench.name == self.fails:
+            raise KeyboardInterrupt  # the user's Ctrl-C in the middle of it
+        return []
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
+        monkeypatch.setattr(run, "cluster_processes", self.processes)
+        monkeypatch.setattr(run, "cluster_command", self.command)
+        monkeypatch.setattr(run, "run_one", self.run_one)
+        return self
+
+
+def test_cluster_up_starts_the_cluster_for_its_benchmark_only_and_stops_it_even_when_interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    calls: list[str] = []
-    running = {"now": False}
-
-    def command(what: str, logs: Path) -> bool:
-        calls.append(f"cluster {what}")
-        running["now"] = what == "up"
-        return True
-
-    def one(bench, quick, scratch, logs, index, total, extra):
-        calls.append(f"{bench.name} (cluster {'up' if running['now'] else 'down'})")
-        return None if bench.name == "bench_cluster" else []  # the cluster's benchmark fails
-
-    monkeypatch.setattr(run, "cluster_command", command)
-    monkeypatch.setattr(run, "cluster_running", lambda: running["now"])
-    monkeypatch.setattr(run, "run_one", one)
     argv = ["--only", "bench_group", "--only", "bench_cluster", "--out", str(tmp_path), "--cluster-up"]
-    assert run.main(argv) == 1  # a failed benchmark fails the run
-    assert calls == ["bench_group (cluster down)", "cluster up", "bench_cluster (cluster up)", "cluster down"]
-    # A cluster already up is used as it is and left running; without the flag nothing is started.
-    calls.clear()
-    running["now"] = True
+    fake = FakeCluster().patch(monkeypatch)
+    assert run.main(argv) == 0
+    assert fake.calls == ["bench_group (cluster down)", "cluster up", "bench_cluster (cluster up)", "cluster down"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["machine"]["cluster"] == "started for its rows only, stopped after them"
+    assert "The cluster of `make cluster`: started for its rows only" in (tmp_path / "report.md").read_text()
+    # Interrupted in the middle of its benchmark, the cluster started for it is stopped all the same.
+    fake = FakeCluster(fails="bench_cluster").patch(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        run.main(argv)
+    assert fake.calls[-2:] == ["bench_cluster (cluster up)", "cluster down"]
+
+
+def test_a_cluster_that_runs_already_is_used_and_left_running_and_none_is_started_without_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    argv = ["--only", "bench_group", "--only", "bench_cluster", "--out", str(tmp_path)]
+    # Running (ready or not): the user's. It is neither started nor stopped, and the report says so.
+    fake = FakeCluster(up=True).patch(monkeypatch)
+    run.main([*argv, "--cluster-up"])
+    assert fake.calls == ["bench_group (cluster up)", "bench_cluster (cluster up)"]
+    assert json.loads((tmp_path / "report.json").read_text())["machine"]["cluster"].startswith("already running")
+    fake = FakeCluster().patch(monkeypatch)
     run.main(argv)
-    assert calls == ["bench_group (cluster up)", "bench_cluster (cluster up)"]
-    calls.clear()
-    running["now"] = False
-    run.main(argv[:-1])
-    assert calls == ["bench_group (cluster down)", "bench_cluster (cluster down)"]
+    assert fake.calls == ["bench_group (cluster down)", "bench_cluster (cluster down)"]
+    assert json.loads((tmp_path / "report.json").read_text())["machine"]["cluster"].startswith("none")
 
 
 def test_a_cluster_that_fails_to_start_is_cleaned_up_and_its_rows_say_not_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    calls: list[str] = []
-    monkeypatch.setattr(run, "cluster_command", lambda what, logs: calls.append(what) or what != "up")
-    monkeypatch.setattr(run, "cluster_running", lambda: False)
-    monkeypatch.setattr(run, "run_one", lambda bench, *rest: calls.append(bench.name) or [])
+    fake = FakeCluster(starts=False).patch(monkeypatch)
     run.main(["--only", "bench_cluster", "--out", str(tmp_path), "--cluster-up"])
-    assert calls == ["up", "down", "bench_cluster"]  # what the failed start left is stopped; none after
+    # What the failed start left is stopped by PID, then its benchmark finds no cluster (its rows: not run).
+    assert fake.calls == ["cluster up", "cluster down", "bench_cluster (cluster down)"]
+    assert json.loads((tmp_path / "report.json").read_text())["machine"]["cluster"].startswith("failed to start")
+
+
+def test_the_cluster_s_running_components_are_those_whose_recorded_process_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import os
+
+    from cluster import proc, up
+
+    monkeypatch.setenv("AIRFLOW_TORCHRUN_CLUSTER_STATE", str(tmp_path / "cluster"))
+    assert up.running() == []  # never made here: nothing runs
+    pids = up.state().pids
+    pids.mkdir(parents=True)
+    me = os.getpid()  # a process that surely runs: this one
+    (pids / "etcd.pid").write_text(f"{me} {proc._start_time(me)}\n")
+    (pids / "kube-apiserver.pid").write_text(f"{me} 0\n")  # that PID, but another process's start time
+    assert up.running() == ["etcd"]
+    (pids / "etcd.pid").unlink()
+    assert up.running() == []
 
 
 def test_make_bench_runs_the_runner():
     makefile = (BENCH.parent / "Makefile").read_text()
     assert "bench/run.py" in makefile and (BENCH / "run.py").is_file()
     assert "ray" not in (BENCH.parent / "pyproject.toml").read_text().lower(), "Ray is no dependency"
-    assert "$(if $(CLUSTER),--cluster-up)" in makefile
+    assert "$(if $(filter 1,$(CLUSTER)),--cluster-up)" in makefile  # CLUSTER=0 starts nothing
     # The group's paired rows get the pairs their 0.15 s goals need (issue 26).
     group = next(b for b in run.BENCHES if b.name == "bench_group")
     assert group.args == ("--repeats", "3", "--max-pairs", "30", "--budget-s", "600")
