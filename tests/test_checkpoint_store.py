@@ -177,6 +177,25 @@ def test_prune_never_deletes_the_newest(root: Root) -> None:
             store.prune(keep_last=bad)  # type: ignore[arg-type]
 
 
+def test_prune_uncommits_at_once_and_defers_the_removal_of_files(root: Root) -> None:
+    """With ``defer`` (a saver's background thread), the pruned steps are uncommitted before prune
+    returns and their files removed only when the deferred work runs; a removal that never ran (the
+    process killed) leaves a torn step that the next prune sweeps."""
+    store = root.store()
+    for step in (1, 2, 3):
+        root.write_step(step, commit=True)
+    later: list[Any] = []
+    assert store.prune(keep_last=1, defer=later.append) == [store.step_uri(1), store.step_uri(2)]
+    assert [r.step for r in store.committed()] == [3]
+    assert store.fs.exists(store.step_path(1)) and store.fs.exists(store.step_path(2))
+    assert len(later) == 2
+    later[0]()
+    assert not store.fs.exists(store.step_path(1))
+    # The second removal is lost (its process died): the next prune, deferring nothing, sweeps it.
+    assert store.prune(keep_last=1) == [store.step_uri(2)]
+    assert not store.fs.exists(store.step_path(2)) and store.fs.exists(store.step_path(3))
+
+
 def test_delete_step_removes_the_marker_first(root: Root) -> None:
     store = root.store()
     root.write_step(3, commit=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,82 @@ def test_async_save_writes_the_state_as_it_was(location: Location, clean_env: An
     assert location.store().latest() == CheckpointRef(uri, 1)
 
 
+def test_a_save_returns_before_the_pruned_steps_files_are_removed(
+    location: Location, clean_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention takes the old step out of the committed ones before the save returns; deleting its
+    files (0.1 s per 168 MB here) is left to the background thread, and the next save waits for it."""
+    store = location.store()
+    release = threading.Event()
+    removed: list[int] = []
+    remove_files = CheckpointStore.remove_files
+
+    def slow_remove(self: CheckpointStore, step: int) -> None:
+        release.wait(30)
+        remove_files(self, step)
+        removed.append(step)
+
+    monkeypatch.setattr(CheckpointStore, "remove_files", slow_remove)
+    save_checkpoint({"w": torch.zeros(10)}, 1, uri=location.uri, keep_last=1)
+    saving = threading.Thread(
+        target=save_checkpoint, args=({"w": torch.ones(10)}, 2), kwargs={"uri": location.uri, "keep_last": 1}
+    )
+    saving.start()
+    saving.join(10)
+    assert not saving.is_alive(), "the save waited for the removal of the step it pruned"
+    assert [r.step for r in store.committed()] == [2] and removed == []
+    assert store.fs.exists(store.step_path(1))  # uncommitted, its files not removed yet
+    third = threading.Thread(
+        target=save_checkpoint, args=({"w": torch.ones(10)}, 3), kwargs={"uri": location.uri, "keep_last": 1}
+    )
+    third.start()
+    third.join(1)
+    assert third.is_alive() and not store.fs.exists(store.step_path(3)), "the next save did not wait for it"
+    release.set()
+    third.join(30)
+    assert wait_for_checkpoint() is None
+    assert removed == [1, 2] and [r.step for r in store.committed()] == [3]
+    assert not store.fs.exists(store.step_path(1)) and not store.fs.exists(store.step_path(2))
+
+
+def _mapped_from(address: int) -> str | None:
+    """The file whose mapping holds ``address`` in this process, from /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return rest[4].strip() if len(rest) > 4 else None
+    return None
+
+
+def test_a_local_checkpoint_is_mapped_not_copied(tmp_path: Path, clean_env: Any) -> None:
+    """The loaded tensors are the file's pages (one copy of the state in memory, not two), and a
+    change to them stays in this process."""
+    uri = save_checkpoint({"w": torch.arange(1 << 20, dtype=torch.float32)}, 1, uri=f"file://{tmp_path}/ckpt")
+    state = load_checkpoint(uri=uri)
+    assert state is not None
+    assert _mapped_from(state["w"].data_ptr()) == str(tmp_path / "ckpt" / "step-00000001" / "state.pt")
+    state["w"] += 1  # copy on write: the file keeps what was saved
+    again = load_checkpoint(uri=uri)
+    assert again is not None and torch.equal(again["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_file_system_that_cannot_map_gets_the_file_read(
+    tmp_path: Path, clean_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = save_checkpoint({"w": torch.ones(8)}, 1, uri=f"file://{tmp_path}/ckpt")
+    real_load = torch.load
+
+    def no_mmap(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("mmap"):
+            raise RuntimeError("unable to mmap 1234 bytes from file </proc/self/fd/5>: Operation not supported (95)")
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", no_mmap)
+    state = load_checkpoint(uri=uri)
+    assert state is not None and torch.equal(state["w"], torch.ones(8))
+
+
 def test_bad_usage_gets_clear_errors(tmp_path: Path, clean_env: Any) -> None:
     with pytest.raises(StorageError, match="TRAIN_CHECKPOINT_URI is not set"):
         save_checkpoint({"x": 1}, 1)
@@ -276,6 +353,36 @@ def _torchrun(
             timeout=timeout,
             check=False,
         )
+
+
+@pytest.mark.slow
+def test_the_process_end_waits_for_the_removal_of_pruned_files(tmp_path: Path) -> None:
+    """A script that saves and ends without wait_for_checkpoint(): the interpreter's end joins the
+    background removal, so only the ``keep_last`` newest steps are left on disk."""
+    script = tmp_path / "saves.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import time, torch
+            from airflow_torchrun.storage.checkpoints import CheckpointStore
+            from airflow_torchrun.worker import save_checkpoint
+            remove_files = CheckpointStore.remove_files
+            def slow(self, step):
+                time.sleep(1.0)
+                remove_files(self, step)
+            CheckpointStore.remove_files = slow
+            for step in (1, 2, 3):
+                save_checkpoint({{"w": torch.ones(4)}}, step, uri={str(tmp_path / "ckpt")!r}, keep_last=1)
+            print("saved", flush=True)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-00000003"]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ use it inside the ranks. Locations are :mod:`~airflow_torchrun.storage.uri`'s, S
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -332,9 +333,19 @@ class CheckpointStore:
 
     def delete_step(self, step: int) -> None:
         """Remove a step directory; the marker goes first so a half-deleted step is never 'committed'."""
+        self.uncommit(step)
+        self.remove_files(step)
+
+    def uncommit(self, step: int) -> None:
+        """Remove the step's commit marker (one file or object): from here on it is a torn step, never
+        resumed, and swept by the next :meth:`prune` if :meth:`remove_files` never ran."""
         marker = self._marker_path(step)
         if self.fs.exists(marker):
             self.fs.rm_file(marker)
+        self.fs.invalidate_cache(self.step_path(step))
+
+    def remove_files(self, step: int) -> None:
+        """Remove what is left of a step directory (after :meth:`uncommit`)."""
         try:
             self.fs.rm(self.step_path(step), recursive=True)
         except FileNotFoundError:
@@ -342,7 +353,12 @@ class CheckpointStore:
         self.fs.invalidate_cache(self.location.path)
 
     def prune(
-        self, keep_last: int, protect: Collection[str] = (), *, lineage: Mapping[str, Any] | None = None
+        self,
+        keep_last: int,
+        protect: Collection[str] = (),
+        *,
+        lineage: Mapping[str, Any] | None = None,
+        defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> list[str]:
         """Delete old checkpoints; return the URIs deleted.
 
@@ -354,6 +370,12 @@ class CheckpointStore:
         is never pruned. Torn directories older than the newest committed step are removed too
         (they can never be resumed); newer torn ones may still be in the middle of being written
         and are left alone.
+
+        Each deleted step is uncommitted (its marker removed) before this returns: no listing of
+        committed steps and no resume sees it any more (its directory may stay a moment, as a torn
+        step). The removal of its files is handed to ``defer`` when given (a saver's background
+        thread: deleting a large file costs the freeing of its page cache, about 0.1 s per 168 MB
+        here) and done here otherwise.
         """
         from airflow_torchrun.storage.lineage import Lineage, recorded_lineage
 
@@ -384,7 +406,11 @@ class CheckpointStore:
                 continue
             if (step >= newest and step not in committed) or self.step_uri(step) in protected:
                 continue
-            self.delete_step(step)
+            self.uncommit(step)
+            if defer is None:
+                self.remove_files(step)
+            else:
+                defer(functools.partial(self.remove_files, step))
             deleted.append(self.step_uri(step))
         if deleted:
             log.info("Pruned %d checkpoint(s) under %s: %s", len(deleted), self.uri, ", ".join(deleted))

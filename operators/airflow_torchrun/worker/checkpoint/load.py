@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
@@ -37,6 +36,7 @@ from airflow_torchrun.worker.checkpoint.files import (
     read_verified,
 )
 from airflow_torchrun.worker.checkpoint.rng import restore_rank_rng
+from airflow_torchrun.worker.checkpoint.streams import BufferReader
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def _load_one(
             except Damaged as exc:
                 problem = str(exc)
             else:
-                payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+                payload = torch.load(BufferReader(data), map_location=map_location, weights_only=weights_only)  # type: ignore[arg-type]
         if not agree(problem is None):
             raise Damaged(problem or "another rank found it damaged")
         if not isinstance(payload, dict) or "state" not in payload:

@@ -65,16 +65,52 @@ _PENDING: Future[str] | None = None
 
 _PENDING_LOCK = threading.Lock()
 
+# Removals of pruned steps' files, handed to the background thread (see CheckpointStore.prune).
+_REMOVING: list[Future[None]] = []
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    with _PENDING_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airflow-torchrun-checkpoint")
+        return _EXECUTOR
+
+
+def _remove_later(remove: Callable[[], None]) -> None:
+    """Run ``remove`` on the background thread; the next save, :func:`wait_for_checkpoint` and the
+    process's end wait for it (its worker is not a daemon thread: the interpreter joins it)."""
+
+    def run() -> None:
+        try:
+            remove()
+        except Exception:
+            # An old checkpoint's files that could not be removed cost space, not correctness (it is
+            # uncommitted already, and the next prune sweeps it as a torn step).
+            log.warning("Could not remove a pruned checkpoint's files", exc_info=True)
+
+    future = _executor().submit(run)
+    with _PENDING_LOCK:
+        _REMOVING.append(future)
+
 
 def wait_for_checkpoint() -> str | None:
-    """Wait for a save started with ``blocking=False``; return its URI (None if none is pending).
+    """Wait for a save started with ``blocking=False``, and for the removal of the checkpoints its
+    retention pruned; return its URI (None if none is pending).
 
     Re-raises the background save's error. Call it before ``destroy_process_group()``.
     """
     global _PENDING
     with _PENDING_LOCK:
         pending, _PENDING = _PENDING, None
-    return pending.result() if pending is not None else None
+    try:
+        return pending.result() if pending is not None else None
+    finally:
+        with _PENDING_LOCK:
+            removing = _REMOVING[:]
+            _REMOVING.clear()
+        for future in removing:
+            future.result()
 
 
 @_timed
@@ -148,10 +184,8 @@ def save_checkpoint(
             step,
             time.monotonic() - job.started,
         )
-    global _EXECUTOR, _PENDING
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airflow-torchrun-checkpoint")
-    future = _EXECUTOR.submit(job.run_torch, snapshot)
+    global _PENDING
+    future = _executor().submit(job.run_torch, snapshot)
     with _PENDING_LOCK:
         _PENDING = future
     return step_uri
@@ -232,7 +266,9 @@ class _SaveJob:
         )
         if self.keep:
             try:
-                store.prune(self.keep, protect=[u for u in (resume_from(),) if u], lineage=lineage_env())
+                store.prune(
+                    self.keep, protect=[u for u in (resume_from(),) if u], lineage=lineage_env(), defer=_remove_later
+                )
             except Exception:
                 # A checkpoint that could not be pruned costs space, not correctness: keep training.
                 log.warning("Could not prune old checkpoints under %s", store.uri, exc_info=True)

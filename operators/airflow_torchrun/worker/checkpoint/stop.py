@@ -145,6 +145,7 @@ def save_if_stopping(state: Mapping[str, Any] | Any, step: int, **save_kwargs: A
             f" {since:.2f}s after SIGTERM" if since is not None else " (another rank was signalled)",
             STOPPED_TO_SAVE_EXIT_CODE,
         )
+    wait_for_checkpoint()  # the files of the steps its retention pruned: this exit joins no thread
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()

@@ -6,8 +6,8 @@ memoryview valid only during the call). The writers here take each one as it com
 - :class:`DiskWriter` (``file://``): the CRC-32 of a large record is computed on a helper thread
   while this thread copies the same bytes into the page cache (zlib and ``os.write`` both release
   the GIL, so on two cores they overlap), and the disk's writeback of what is written so far is
-  started every :data:`WRITEBACK_BYTES` (``sync_file_range``), so the one ``fsync`` at the end only
-  waits for the tail: serialisation and the disk's write overlap.
+  started every :data:`WRITEBACK_BYTES` (``sync_file_range``, on a helper of its own), so the one
+  ``fsync`` at the end only waits for the tail: serialisation and the disk's write overlap.
 - :class:`DirectWriter` (``file://``, a file of :data:`DIRECT_BYTES` or more): the page cache is
   left out (``O_DIRECT``). Past a few hundred MB, buffered writes are throttled by the kernel's
   dirty-page limits (a cgroup's memory limit lowers them): one GB took 0.46 s to 2.5 s buffered on
@@ -21,6 +21,7 @@ memoryview valid only during the call). The writers here take each one as it com
   parts arrive. The object is split evenly over the concurrency (:func:`read_ranges`): as parallel as
   many small ranges, with the fewest requests (each one a round trip, and a server that serves a
   range by reading the whole object, as moto does, pays per request).
+- :class:`BufferReader` hands those bytes to ``torch.load`` without another copy.
 
 Memory: the disk writer holds nothing; the S3 writer at most ``S3_CONCURRENCY + 1`` parts.
 """
@@ -32,6 +33,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import io
 import mmap
 import os
 import threading
@@ -46,8 +48,10 @@ if TYPE_CHECKING:
 
 # Records at least this big are checksummed on the helper thread while they are written.
 PARALLEL_BYTES = 1 << 20
-# Start the disk's writeback every so many bytes written.
-WRITEBACK_BYTES = 32 << 20
+# Start the disk's writeback every so many bytes written: the sooner the disk starts, the less the
+# fsync waits (168 MB, 15 interleaved runs here: 0.30 s every 8 MB, 0.34 s every 32 MB or never; a raw
+# write and fsync of the same bytes 0.31 s).
+WRITEBACK_BYTES = 8 << 20
 # A file expected to be at least this big is written with O_DIRECT (DirectWriter); below it the page
 # cache takes the bytes at memory speed and the fsync is short (168 MB: 0.075 s buffered, 0.11 s direct).
 DIRECT_BYTES = 256 << 20
@@ -122,8 +126,9 @@ os.register_at_fork(after_in_child=_forget_helpers)
 
 
 def _helper(role: str = "checksum") -> _Helper:
-    """The helper thread for ``role``: ``checksum`` (CRCs, and a DiskWriter's writeback starts) or
-    ``disk`` (a DirectWriter's writes), so that a checksum and a write can run at the same time."""
+    """The helper thread for ``role``: ``checksum`` (CRCs) or ``disk`` (a DirectWriter's writes, a
+    DiskWriter's writeback starts), so that a checksum and a write can run at the same time, and a
+    writeback start that waits for the disk's queue holds up no checksum."""
     with _HELPER_LOCK:
         if role not in _HELPERS:
             _HELPERS[role] = _Helper(role)
@@ -174,7 +179,7 @@ class DiskWriter(_Writer):
         due = _START_WRITEBACK is not None and self.size - self._written_back >= WRITEBACK_BYTES
         if due and (self._writeback is None or self._writeback.done()):
             fd, offset, length, begin = self.fd, self._written_back, self.size - self._written_back, _START_WRITEBACK
-            self._writeback = _helper().submit(lambda: begin(fd, offset, length) if begin else None)
+            self._writeback = _helper("disk").submit(lambda: begin(fd, offset, length) if begin else None)
             self._written_back = self.size
         return count
 
@@ -371,6 +376,44 @@ class S3PartWriter(_Writer):
                 self._call("abort_multipart_upload", UploadId=self._upload_id).result()
             except Exception:  # the save failed already; a lifecycle rule may still sweep the parts
                 pass
+
+
+class BufferReader(io.RawIOBase):
+    """A read-only, seekable file over bytes already in memory, for ``torch.load``: it reads each
+    record with ``readinto`` straight into the tensor's storage. ``io.BytesIO`` would first copy a
+    ``bytearray`` whole (0.075 s per 168 MB here, a tenth of a read from S3)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, out: Any) -> int:
+        target = memoryview(out).cast("B")
+        count = max(0, min(target.nbytes, self._view.nbytes - self._pos))
+        target[:count] = self._view[self._pos : self._pos + count]
+        self._pos += count
+        return count
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()
 
 
 def read_ranges(size: int, concurrency: int = S3_CONCURRENCY) -> list[tuple[int, int]]:
