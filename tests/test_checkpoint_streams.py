@@ -344,5 +344,7 @@ def test_the_buffer_reader_seeks_and_reads_as_a_file() -> None:
     assert reader.readinto(out) == 4 and out == b"1234"
     with pytest.raises(ValueError, match="negative seek"):
         reader.seek(-1)
+    with pytest.raises(ValueError, match="invalid whence"):
+        reader.seek(0, 3)
     reader.close()
     assert reader.closed

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from airflow_torchrun.errors import StorageError
 from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.worker import load_checkpoint, resume_step, save_checkpoint, wait_for_checkpoint
+from airflow_torchrun.worker.checkpoint.files import MAPPED_FILE_SYSTEMS, file_system_of
 from tests.s3_fixtures import MotoS3
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,22 +187,28 @@ def test_a_save_returns_before_the_pruned_steps_files_are_removed(
 
     monkeypatch.setattr(CheckpointStore, "remove_files", slow_remove)
     save_checkpoint({"w": torch.zeros(10)}, 1, uri=location.uri, keep_last=1)
-    saving = threading.Thread(
-        target=save_checkpoint, args=({"w": torch.ones(10)}, 2), kwargs={"uri": location.uri, "keep_last": 1}
-    )
-    saving.start()
-    saving.join(10)
-    assert not saving.is_alive(), "the save waited for the removal of the step it pruned"
-    assert [r.step for r in store.committed()] == [2] and removed == []
-    assert store.fs.exists(store.step_path(1))  # uncommitted, its files not removed yet
-    third = threading.Thread(
-        target=save_checkpoint, args=({"w": torch.ones(10)}, 3), kwargs={"uri": location.uri, "keep_last": 1}
-    )
-    third.start()
-    third.join(1)
-    assert third.is_alive() and not store.fs.exists(store.step_path(3)), "the next save did not wait for it"
-    release.set()
-    third.join(30)
+
+    def save(step: int) -> threading.Thread:
+        thread = threading.Thread(
+            target=save_checkpoint, args=({"w": torch.ones(10)}, step), kwargs={"uri": location.uri, "keep_last": 1}
+        )
+        thread.start()
+        return thread
+
+    third: threading.Thread | None = None
+    try:
+        second = save(2)
+        second.join(10)
+        assert not second.is_alive(), "the save waited for the removal of the step it pruned"
+        assert [r.step for r in store.committed()] == [2] and removed == []
+        assert store.fs.exists(store.step_path(1))  # uncommitted, its files not removed yet
+        third = save(3)
+        third.join(1)
+        assert not store.fs.exists(store.step_path(3)), "the next save claimed its step before the removal ended"
+    finally:
+        release.set()  # a failed check must not leave the shared background thread stuck
+        if third is not None:
+            third.join(30)
     assert wait_for_checkpoint() is None
     assert removed == [1, 2] and [r.step for r in store.committed()] == [3]
     assert not store.fs.exists(store.step_path(1)) and not store.fs.exists(store.step_path(2))
@@ -219,6 +227,8 @@ def _mapped_from(address: int) -> str | None:
 def test_a_local_checkpoint_is_mapped_not_copied(tmp_path: Path, clean_env: Any) -> None:
     """The loaded tensors are the file's pages (one copy of the state in memory, not two), and a
     change to them stays in this process."""
+    if file_system_of(str(tmp_path)) not in MAPPED_FILE_SYSTEMS:
+        pytest.skip(f"{tmp_path} is on {file_system_of(str(tmp_path))}, which a load does not map")
     uri = save_checkpoint({"w": torch.arange(1 << 20, dtype=torch.float32)}, 1, uri=f"file://{tmp_path}/ckpt")
     state = load_checkpoint(uri=uri)
     assert state is not None
@@ -226,6 +236,20 @@ def test_a_local_checkpoint_is_mapped_not_copied(tmp_path: Path, clean_env: Any)
     state["w"] += 1  # copy on write: the file keeps what was saved
     again = load_checkpoint(uri=uri)
     assert again is not None and torch.equal(again["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_checkpoint_on_a_shared_file_system_is_read_not_mapped(
+    tmp_path: Path, clean_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NFS another client's delete would fault a mapping mid-training: such a file is read."""
+    from airflow_torchrun.worker.checkpoint import files
+
+    assert file_system_of("/proc/self") == "proc" and file_system_of("/dev/shm") in ("tmpfs", None)
+    uri = save_checkpoint({"w": torch.arange(1 << 20, dtype=torch.float32)}, 1, uri=f"file://{tmp_path}/ckpt")
+    monkeypatch.setattr(files, "file_system_of", lambda path: "nfs4")
+    state = load_checkpoint(uri=uri)
+    assert state is not None and torch.equal(state["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert _mapped_from(state["w"].data_ptr()) != str(tmp_path / "ckpt" / "step-00000001" / "state.pt")
 
 
 def test_a_file_system_that_cannot_map_gets_the_file_read(
@@ -383,6 +407,65 @@ def test_the_process_end_waits_for_the_removal_of_pruned_files(tmp_path: Path) -
     )
     assert proc.returncode == 0 and "saved" in proc.stdout, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step-")) == ["step-00000003"]
+
+
+@pytest.mark.slow
+def test_an_async_save_pending_at_the_end_still_prunes_every_old_step(tmp_path: Path) -> None:
+    """blocking=False, then the script ends without wait_for_checkpoint(): the interpreter's end runs
+    the save and its retention to the end (the background thread takes no new work by then, so the
+    removals run on it directly), leaving only the newest step."""
+    script = tmp_path / "saves.py"
+    root = str(tmp_path / "ckpt")
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            from airflow_torchrun.worker import save_checkpoint, wait_for_checkpoint
+            for step in (1, 2, 3):
+                save_checkpoint({{"w": torch.ones(4)}}, step, uri={root!r}, keep_last=5)
+            wait_for_checkpoint()
+            save_checkpoint({{"w": torch.ones(1 << 22)}}, 4, uri={root!r}, keep_last=1, blocking=False)
+            print("returned", flush=True)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in CONTRACT_VARS}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0 and "returned" in proc.stdout, proc.stderr[-3000:]
+    assert "Could not" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step-")) == ["step-00000004"]
+    assert [r.step for r in CheckpointStore(root).committed()] == [4]
+
+
+@pytest.mark.slow
+def test_a_forked_child_saves_with_a_background_thread_of_its_own(tmp_path: Path, clean_env: Any) -> None:
+    """A process that saved (its background thread made) forks: the child's saves and their pruning
+    must not wait on the parent's thread, which the child does not have."""
+    root = str(tmp_path / "ckpt")
+    save_checkpoint({"w": torch.ones(4)}, 1, uri=root, keep_last=1)
+    save_checkpoint({"w": torch.ones(4)}, 2, uri=root, keep_last=1)  # a removal handed to the thread
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            for step in (3, 4):
+                save_checkpoint({"w": torch.ones(4)}, step, uri=root, keep_last=1)
+            wait_for_checkpoint()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child's save hung on its parent's background thread")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    wait_for_checkpoint()
+    assert [r.step for r in CheckpointStore(root).committed()] == [4]
 
 
 @pytest.mark.slow

@@ -360,7 +360,8 @@ class CheckpointStore:
         lineage: Mapping[str, Any] | None = None,
         defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> list[str]:
-        """Delete old checkpoints; return the URIs deleted.
+        """Delete old checkpoints; return the URIs deleted (uncommitted, their files removed or handed
+        to ``defer``).
 
         Keeps the ``keep_last`` most recently committed steps (commit time, then step); never deletes
         a URI in ``protect`` (the checkpoint being resumed from). Only this root is touched, and a

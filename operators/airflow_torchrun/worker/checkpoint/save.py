@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -68,18 +69,33 @@ _PENDING_LOCK = threading.Lock()
 # Removals of pruned steps' files, handed to the background thread (see CheckpointStore.prune).
 _REMOVING: list[Future[None]] = []
 
+_THREAD_PREFIX = "airflow-torchrun-checkpoint"
+
 
 def _executor() -> ThreadPoolExecutor:
     global _EXECUTOR
     with _PENDING_LOCK:
         if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airflow-torchrun-checkpoint")
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_THREAD_PREFIX)
         return _EXECUTOR
+
+
+def _forget_executor() -> None:
+    """In a forked child: the parent's worker thread is not there, nor are its saves and removals
+    (and the lock may be held)."""
+    global _EXECUTOR, _PENDING, _PENDING_LOCK
+    _EXECUTOR, _PENDING, _PENDING_LOCK = None, None, threading.Lock()
+    _REMOVING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_executor)
 
 
 def _remove_later(remove: Callable[[], None]) -> None:
     """Run ``remove`` on the background thread; the next save, :func:`wait_for_checkpoint` and the
-    process's end wait for it (its worker is not a daemon thread: the interpreter joins it)."""
+    process's end wait for it (its worker is not a daemon thread: the interpreter joins it). On that
+    thread already (an async save's prune), or once the interpreter is ending (it takes no new work
+    then), it runs here."""
 
     def run() -> None:
         try:
@@ -89,14 +105,21 @@ def _remove_later(remove: Callable[[], None]) -> None:
             # uncommitted already, and the next prune sweeps it as a torn step).
             log.warning("Could not remove a pruned checkpoint's files", exc_info=True)
 
-    future = _executor().submit(run)
+    if threading.current_thread().name.startswith(_THREAD_PREFIX):
+        run()
+        return
+    try:
+        future = _executor().submit(run)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        run()
+        return
     with _PENDING_LOCK:
         _REMOVING.append(future)
 
 
 def wait_for_checkpoint() -> str | None:
-    """Wait for a save started with ``blocking=False``, and for the removal of the checkpoints its
-    retention pruned; return its URI (None if none is pending).
+    """Wait for a save started with ``blocking=False``, and for the removal of the files of every
+    checkpoint retention pruned (after any save); return the pending save's URI (None if none).
 
     Re-raises the background save's error. Call it before ``destroy_process_group()``.
     """
