@@ -281,6 +281,7 @@ def test_the_readme_states_the_writers_thresholds_as_the_code_has_them() -> None
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert f"a file of {streams.DIRECT_BYTES >> 20} MiB or more written past the page cache (`O_DIRECT`" in text
     assert f"parts go up {streams.S3_CONCURRENCY} at a time" in text
+    assert f"the disk's writeback starts every {streams.WRITEBACK_BYTES >> 20} MB on a helper thread" in text
 
 
 @pytest.mark.slow
