@@ -8,7 +8,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from airflow_torchrun import contract
@@ -33,10 +32,8 @@ from airflow_torchrun.worker.checkpoint.files import (
     Damaged,
     load_verified_local,
     read_torch,
-    read_verified,
 )
 from airflow_torchrun.worker.checkpoint.rng import restore_rank_rng
-from airflow_torchrun.worker.checkpoint.streams import BufferReader
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +168,16 @@ def _load_one(
             )
         elif problem is None:
             try:
-                data = read_verified(store, f"{step_path}/{name}", size, checksum)
+                payload = read_torch(
+                    store,
+                    f"{step_path}/{name}",
+                    map_location=map_location,
+                    weights_only=weights_only,
+                    size=size,
+                    checksum=checksum,
+                )
             except Damaged as exc:
                 problem = str(exc)
-            else:
-                payload = torch.load(BufferReader(data), map_location=map_location, weights_only=weights_only)  # type: ignore[arg-type]
         if not agree(problem is None):
             raise Damaged(problem or "another rank found it damaged")
         if not isinstance(payload, dict) or "state" not in payload:
