@@ -180,6 +180,8 @@ def test_a_healthy_run_shows_every_rank_and_raises_no_warning(
     assert doc["alerts"] == [] and doc["alerts_seen"] == [] and doc["failure"] is None
     assert [len(doc["launches"]), doc["launches"][0]["current"]] == [1, True]
     assert doc["links"]["mlflow_run"] and doc["checkpoint_uri"], doc
+    # The extra link Airflow stored for the UI as the task ended is the URL the try pushed.
+    assert result.xcom("train", key="_link_MlflowRunLink") == result.xcom("train", key="mlflow_run_url"), doc
     tags, _metrics = mlflow_tags(result)
     assert not any(key.startswith("torchrun.") for key in tags), tags
     # The asset event carries the checkpoint, its step and the final metrics.

@@ -228,3 +228,41 @@ def test_the_view_tells_the_resume_audit_with_its_first_differing_step() -> None
     shown = _goodput_view(ledger(odd))["resume_audit"]  # type: ignore[index]
     assert shown["steps"] is None
     assert shown["first_divergence"] == {"step": 21, "rank": None, "before": None, "after": 2.0}
+
+
+class _Ti:
+    """The five fields that name a try, as Airflow's task instance and its key both carry them."""
+
+    def __init__(self, try_number: int) -> None:
+        self.dag_id, self.task_id, self.run_id, self.map_index, self.try_number = "d", "train", "r", -1, try_number
+
+
+def test_a_training_tasks_links_come_from_what_its_try_pushed_without_an_xcom_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Airflow's worker asks each extra link as the task ends, each an XCom read through the API
+    server; the try kept what it pushed, so the links are answered from that. Another try's key, or
+    a key this try never pushed, still reads XCom (through :func:`safe_link` either way)."""
+    from types import SimpleNamespace
+
+    from airflow_torchrun import links
+    from airflow_torchrun.operators.contracts import TaskIO
+
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__MLFLOW_UI_URL", "http://mlflow.internal:5000")
+    reads: list[str] = []
+    stored = "http://mlflow.internal:5000/#/experiments/1/runs/stored"
+    monkeypatch.setattr(links.XCom, "get_value", lambda *, key, ti_key: reads.append(key) or stored)
+    ti = _Ti(try_number=2)
+    io = TaskIO(context={"ti": ti}, where="task d.train", log=None, backend=None, preflight_budget=1.0)  # type: ignore[typeddict-item]
+    operator = SimpleNamespace(_io=io)
+    run = "http://mlflow.internal:5000/#/experiments/1/runs/pushed"
+    io.pushed[links.MLFLOW_RUN_URL_KEY] = run
+    io.pushed[links.CHECKPOINT_URL_KEY] = "javascript:alert(1)"  # pushed or read, it passes safe_link
+    assert links.MlflowRunLink().get_link(operator, ti_key=ti) == run  # type: ignore[arg-type]
+    assert links.MlflowRunLink().get_link(operator, ti_key=_Ti(try_number=2)) == run  # type: ignore[arg-type]
+    assert links.CheckpointLink().get_link(operator, ti_key=ti) == ""  # type: ignore[arg-type]
+    assert reads == []
+    assert links.MlflowRunLink().get_link(operator, ti_key=_Ti(try_number=1)) == stored  # type: ignore[arg-type]
+    assert links.ModelVersionLink().get_link(operator, ti_key=ti) == stored  # never pushed: read  # type: ignore[arg-type]
+    assert links.MlflowRunLink().get_link(None, ti_key=ti) == stored  # type: ignore[arg-type]
+    assert reads == [links.MLFLOW_RUN_URL_KEY, links.MODEL_VERSION_URL_KEY, links.MLFLOW_RUN_URL_KEY]

@@ -8,7 +8,7 @@ task's outcome.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from airflow_torchrun.links import CHECKPOINT_URL_KEY
@@ -129,6 +129,7 @@ def final_metrics(run_id: str | None, tracking_uri: str | None, log: logging.Log
 
 def publish_checkpoint(
     context: Context,
+    push: Callable[[str, Any], None],
     outlets: Any,
     uri: str,
     step: int | None,
@@ -136,14 +137,14 @@ def publish_checkpoint(
     log: logging.Logger,
     goodput: Mapping[str, Any] | None = None,
 ) -> None:
-    """The 'Checkpoint' link, and the asset event's metadata: checkpoint URI, step, final metrics,
-    the task's goodput ledger (``goodput``: wall, categories, ETTR, lost steps, tries) and the
-    resume audit's verdict (``resume_audit``)."""
+    """The 'Checkpoint' link (XCom, through ``push``), and the asset event's metadata: checkpoint
+    URI, step, final metrics, the task's goodput ledger (``goodput``: wall, categories, ETTR, lost
+    steps, tries) and the resume audit's verdict (``resume_audit``)."""
     from airflow_torchrun.assets import annotate_outlets
     from airflow_torchrun.links import checkpoint_url
 
     try:
-        context["ti"].xcom_push(key=CHECKPOINT_URL_KEY, value=checkpoint_url(uri))
+        push(CHECKPOINT_URL_KEY, checkpoint_url(uri))
     except Exception as exc:  # only the link
         log.warning("Could not build the checkpoint's link for %s: %s", uri, exc)
     if outlets:

@@ -318,6 +318,7 @@ class TrainingContract:
         metrics = final_metrics(self.mlflow_run_id, self.settings.mlflow_tracking_uri, io.log) if self.outlets else {}
         publish_checkpoint(
             io.context,
+            io.push,
             self.outlets,
             ref.uri if ref else self.checkpoint_uri,
             ref.step if ref else None,
