@@ -246,7 +246,8 @@ def job_phases(events: Path, launched: float, exited: float) -> dict[str, float]
 # the task instance's own start and end as Airflow recorded them; "job:*": the job's events).
 OPERATOR_PHASES = (
     ("Airflow: task start -> our execute()", "task_start", "try_started"),
-    ("stop earlier tries", "try_started", "contract_started"),
+    ("render and check the spec, make the contract", "try_started", "prepared"),
+    ("stop earlier tries", "prepared", "contract_started"),
     ("preflight (rank contract)", "contract_started", "contract_ready"),
     ("plan", "contract_ready", "launch_started"),
     ("spawn (supervisors)", "launch_started", "launched"),

@@ -3,6 +3,8 @@ deferral and an in-try restart; and its pure parts (round trip, spans)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from airflow_torchrun.timeline import Mark, Timeline
@@ -29,7 +31,17 @@ AFTER_THE_FACT = {Mark.FIRST_STEP, Mark.RANKS_STARTED, Mark.RENDEZVOUS, Mark.EXI
 
 @pytest.mark.slow
 @pytest.mark.parametrize("deferrable", [False, True], ids=["sync", "deferrable"])
-def test_a_try_marks_each_moment_in_order(run_dag, tiny_script, deferrable: bool) -> None:
+def test_a_try_marks_each_moment_in_order(run_dag, tiny_script, deferrable: bool, monkeypatch) -> None:
+    from airflow_torchrun.operators import one_try
+
+    rendered: list[float] = []
+    render = one_try._rendered_spec
+
+    def timed_render(op):
+        rendered.append(time.time())
+        return render(op)
+
+    monkeypatch.setattr(one_try, "_rendered_spec", timed_render)
     result = run_dag(
         f"""
         DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2, nproc_per_node=1,
@@ -41,6 +53,7 @@ def test_a_try_marks_each_moment_in_order(run_dag, tiny_script, deferrable: bool
     marks = _marks(result)
     expected = [
         ("try_started", -1),
+        ("prepared", -1),
         ("contract_started", 0),
         ("contract_ready", 0),
         ("launch_started", 0),
@@ -68,6 +81,8 @@ def test_a_try_marks_each_moment_in_order(run_dag, tiny_script, deferrable: bool
     # What the watch and the engine mark as it happens is in time order.
     own = [e for e in timeline.events if e.mark not in AFTER_THE_FACT]
     assert own == sorted(own, key=lambda e: e.at), "the watch's and the engine's marks are in time order"
+    # The try starts with execute(): rendering and checking its spec is the try's own time, not Airflow's.
+    assert rendered and timeline.first(Mark.TRY_STARTED).at <= rendered[0] <= timeline.first(Mark.PREPARED).at
 
 
 @pytest.mark.slow

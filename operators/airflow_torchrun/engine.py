@@ -254,15 +254,18 @@ class RunEngine:
         return float(start + execution_timeout.total_seconds())
 
     # -- start ----------------------------------------------------------------------------------
-    def start(self) -> tuple[GroupHandle, Launches]:
+    def start(self, began: float | None = None) -> tuple[GroupHandle, Launches]:
         """Stop (local) or attach to (Kubernetes) what earlier tries left; else launch a new group.
 
         The rank contract is resolved (and storage and tracking checked) once earlier tries are
         stopped, so the resume point sees what their save on SIGTERM committed; before anything is
-        attached to or launched, so a bad store fails the task first.
+        attached to or launched, so a bad store fails the task first. ``began``: when the try's
+        ``execute()`` began, before this engine was made (the spec's rendering is the try's own time).
         """
         identity = self.identity(0)
-        self.timeline.mark_once(Mark.TRY_STARTED, time.time())
+        now = time.time()
+        self.timeline.mark_once(Mark.TRY_STARTED, now if began is None else began)
+        self.timeline.mark_once(Mark.PREPARED, now)
         for group_id in self._calm("stopping earlier tries", lambda: self.backend.stop_earlier_tries(identity)):
             self.log.warning("Stopped group %s, left running by an earlier try of this task", group_id)
         env = self._contract_env(0)

@@ -23,7 +23,8 @@ XCOM_TIMELINE = "timeline"
 class Mark(StrEnum):
     """What happened. Per launch (``launch`` >= 0) unless said otherwise."""
 
-    TRY_STARTED = "try_started"  # the try began running (not per launch)
+    TRY_STARTED = "try_started"  # the try began running: the operator's execute() (not per launch)
+    PREPARED = "prepared"  # its spec rendered and checked, its rank contract and engine made (not per launch)
     CONTRACT_STARTED = "contract_started"  # resolving the rank contract: storage, resume point, tracking
     CONTRACT_READY = "contract_ready"
     LAUNCH_STARTED = "launch_started"  # asking the backend to start every node

@@ -9,6 +9,7 @@ the launches, the rank contract's state), so :func:`resume` reads nothing back f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -30,9 +31,10 @@ if TYPE_CHECKING:
 
 def start(op: GroupOperator, context: Context) -> Any:
     """A new try: launch the group (after stopping what earlier tries left) and see it to its end."""
+    began = time.time()
     spec = _rendered_spec(op)
     engine = _engine(op, context, spec, backend_for_task(spec.backend, op.task_backend_options()))
-    return _drive(op, engine, context, engine.start)
+    return _drive(op, engine, context, lambda: engine.start(began))
 
 
 def resume(op: GroupOperator, context: Context, event: dict[str, Any]) -> Any:
