@@ -216,9 +216,11 @@ def bench_io(backend: str, root_uri: str, state: dict[str, object], rule: Repeat
     raw_path = [next(raw_copies)]
 
     def raw_write() -> float:
-        """The same bytes to a new name, as durably as save_checkpoint (write, fsync, rename) locally;
-        the previous copy is removed before the clock starts, as ours removes the step its retention
-        pruned after the save returns (deleting 168 MB frees its page cache: about 0.1 s here)."""
+        """The same bytes to a new name, as durably as save_checkpoint locally: write, fsync, rename
+        and fsync of the directory, which makes the new name durable (as the save on SIGTERM's raw
+        write does; ours fsyncs its step directory once its marker is in); the previous copy is
+        removed before the clock starts, as ours removes the step its retention pruned after the save
+        returns (deleting 168 MB frees its page cache: about 0.1 s here)."""
         previous, raw_path[0] = raw_path[0], next(raw_copies)
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(previous)
@@ -233,6 +235,11 @@ def bench_io(backend: str, root_uri: str, state: dict[str, object], rule: Repeat
                 fp.flush()
                 os.fsync(fp.fileno())
             os.replace(tmp, raw_path[0])
+            folder = os.open(store.location.path, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
 
         return settled(write)
 
@@ -675,9 +682,10 @@ def main() -> None:
         header = ["backend", "op", "MB", "ours s", "ours MB/s", "raw s", "raw MB/s", "ours/raw", "paired ours/raw"]
         print(table(header, [r.cells() for r in rows]))
         print("ours = save_checkpoint/load_checkpoint (torch.save/load, CRC-32 of every byte written and")
-        print("verified on load, commit marker); raw = the same bytes written to a new name (fsync + rename on")
-        print("disk) or read. Neither clock holds the removal of the previous copy: raw's is done before its clock")
-        print("starts, ours (the step retention pruned) on the saver's background thread after the save returns.")
+        print("verified on load, commit marker); raw = the same bytes written to a new name (fsync, rename and")
+        print("the directory's fsync on disk) or read. Neither clock holds the removal of the previous copy: raw's")
+        print("is done before its clock starts, ours (the step retention pruned) on the saver's background thread")
+        print("after the save returns.")
         print("Ours' read touches every page of the state it loaded (a mapped load pays its faults at first use).")
         stop_rows: list[StopRow] = []
         spec = args.stop_sizes_mb if args.stop_sizes_mb is not None else ("100,1000" if args.size_mb >= 100 else "")
