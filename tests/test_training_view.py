@@ -144,8 +144,11 @@ def test_a_healthy_run_shows_every_rank_and_raises_no_warning(
     # Both ranks share two cores with three other test workers, and records come every 0.3 s
     # (2 s by default), so a rank really can run 1.5x the other's step time for the three
     # records a warning needs (CI saw 0.036 s against 0.024 s). The slow rank of the next test
-    # runs 4x; a healthy one must stay below 2x, which no warm-up or mixed-up rank would.
+    # runs 4x; a healthy one must stay below 2x, which no warm-up or mixed-up rank would. Its
+    # data wait likewise: 2 ms of 22 ms here, and a scheduling delay added to both sleeps brings
+    # it near, never past, half of the step (the slow loader of the next test waits 80%).
     monkeypatch.setenv("AIRFLOW__TORCHRUN__STRAGGLER_FACTOR", "2")
+    monkeypatch.setenv("AIRFLOW__TORCHRUN__DATA_WAIT_THRESHOLD", "0.5")
     result = train(run_dag, script)
     # The watch's summary line in the task log, from the ranks' records.
     assert ("Group " in result.log and ": step 40/40 (100%)" in result.log) or ": step " in result.log, result.log[
