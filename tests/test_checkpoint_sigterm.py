@@ -219,26 +219,35 @@ def test_killing_the_task_saves_a_checkpoint_first(run_dag: object) -> None:
     state_dir = Path(os.environ["AIRFLOW__TORCHRUN__STATE_DIR"])
     earlier = set((state_dir / "groups").glob("*"))
     seen: dict[str, object] = {}
+    done = threading.Event()
 
     def kill_when_training() -> None:
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not done.is_set():
             for node_log in (state_dir / "groups").glob("*/node-0/node.log"):
                 if node_log.parent.parent in earlier:
                     continue
                 steps = [int(m) for m in re.findall(r"step (\d+)/\d+", node_log.read_text(errors="replace"))]
                 if steps and max(steps) >= 50:
-                    seen.update(group=node_log.parent.parent.name, last_done=max(steps))
-                    # What Airflow's task runner receives when the task is killed from the UI.
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    handler = signal.getsignal(signal.SIGTERM)
+                    seen.update(group=node_log.parent.parent.name, last_done=max(steps), handler=handler)
+                    # What Airflow's task runner receives when the task is killed from the UI; sent
+                    # only to its handler (a signal this process does not handle would end the
+                    # pytest worker, and xdist then waits for ever on the worker that replaces it).
+                    if callable(handler):
+                        os.kill(os.getpid(), signal.SIGTERM)
                     return
             time.sleep(0.05)
 
     killer = threading.Thread(target=kill_when_training, daemon=True)
     killer.start()
-    result = run_dag(_train_task(retries=0), imports="from datetime import timedelta")  # type: ignore[operator]
-    killer.join(5)
+    try:
+        result = run_dag(_train_task(retries=0), imports="from datetime import timedelta")  # type: ignore[operator]
+    finally:
+        done.set()  # never a signal into a later test of this worker
+        killer.join(5)
     assert seen, "training never reached step 50"
+    assert callable(seen["handler"]), f"no SIGTERM handler in the task's process: {seen['handler']!r}"
     assert result.state == "failed"  # type: ignore[attr-defined]
     log = result.log  # type: ignore[attr-defined]
     assert "on_kill: tearing down group" in log

@@ -174,8 +174,10 @@ def test_a_zygote_killed_mid_run_changes_nothing_but_the_speed(tmp_path, zygotes
     old = _zygote_pid(zygotes)
     backend, forked = _launch(tmp_path, "forked", sleep_s=2)
     assert _ppid(_supervisor(forked, 0)["pid"]) == old
-    spares = _children(old) - {_supervisor(forked, node)["pid"] for node in (0, 1)}
-    assert spares, "no spare to see die with the zygote"
+    serving = {_supervisor(forked, node)["pid"] for node in (0, 1)}
+    # The zygote forks new spares once its waiting ones took the launch's requests: on a loaded
+    # machine they are not there yet when the supervisors are (CI saw none at this point).
+    spares = _until(lambda: _children(old) - serving, timeout=30, what="the zygote's new spares")
     os.kill(old, signal.SIGKILL)
     status = _end(backend, forked)
     assert status.state is Outcome.SUCCEEDED and [n.exit_code for n in status.nodes] == [0, 0], status
