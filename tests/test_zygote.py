@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -225,6 +226,24 @@ def test_the_zygote_leaves_after_its_idle_time(zygotes, monkeypatch):
     _until(lambda: not pid_alive(pid), timeout=60, what="the idle zygote to leave")
     assert not path.exists() and not Path(f"{path}.pid").exists()
     _until(lambda: not any(pid_alive(p) for p in spares), timeout=10, what="its spares to leave with it")
+
+
+@pytest.mark.slow
+def test_stop_all_signals_a_zygote_and_never_whoever_took_a_dead_ones_pid(zygotes):
+    """A zygote killed with SIGKILL leaves its pid file; its pid may by then be any process's
+    (pids wrap: 32768 on these machines). Only a process that is that file's zygote is stopped."""
+    path = zygotes / f"{zygote.fingerprint(os.environ)}.sock"
+    zygote.start(path, dict(os.environ))
+    pid = _zygote_pid(zygotes)
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        (zygotes / "dead.sock.pid").write_text(str(bystander.pid))  # the dead zygote's pid, reused
+        assert zygote.stop_all(zygotes) == [pid]
+        _until(lambda: not pid_alive(pid), timeout=10, what="the zygote to leave")
+        assert bystander.poll() is None, "stop_all signalled a process that is not a zygote"
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -184,6 +184,9 @@ class FakeKubeAPI:
     logs: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
     changes: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # pod watch log
     outages: list[Outage] = field(default_factory=list)
+    # Called with each request once its answer is made and before it is sent (never for a watch):
+    # the control plane moving between two of the client's requests.
+    answered: Callable[[Call], None] | None = None
 
     def __post_init__(self) -> None:
         self._rv = 1000
@@ -301,6 +304,8 @@ class FakeKubeAPI:
             self._watch(handler, ns, resource, call.query)
             return
         code, payload = self.respond(call, ns, resource, name, sub)
+        if self.answered is not None:  # before the client has the answer: it cannot ask again first
+            self.answered(call)
         if isinstance(payload, str):
             self._send(handler, code, payload.encode(), "text/plain")
         else:

@@ -169,6 +169,36 @@ def test_oom_killed_rank_fails_the_group_naming_it_and_is_retryable(
     assert_foreground_delete(fake_api, job_name)
 
 
+def test_an_oom_is_never_taken_for_a_preemption_when_the_verdict_falls_between_two_reads(
+    fake_api: FakeKubeAPI, backend: KubernetesBackend
+) -> None:
+    """One look reads the Job and lists the pods, and the Job controller may act between the two:
+    its verdict (FailureTarget) and its deletion of the other rank's pod. Seen in CI: the Job read
+    before the verdict and the pods after it made that deletion look like someone taking the pod
+    away (a disruption), and the try relaunched its group after an OOM instead of failing."""
+    handle, job_name = running_group(fake_api, backend)
+    backend.observe(handle)
+    pod1 = fake_api.pod(NS, job_name, 1)["metadata"]["name"]
+    fake_api.set_terminated(NS, job_name, 1, exit_code=137, reason="OOMKilled")
+    reads = [f"/jobs/{job_name}", "/pods"]
+
+    def verdict_after_the_first_read(call) -> None:
+        if call.method == "GET" and any(call.path.endswith(r) for r in reads) and fake_api.answered:
+            fake_api.answered = None
+            fake_api.fail_job(NS, job_name, "PodFailurePolicy", f"Container trainer for pod {NS}/{pod1} failed")
+            fake_api.delete_pod_gracefully(NS, job_name, 0)
+
+    fake_api.answered = verdict_after_the_first_read
+    status = settle(backend, handle, lambda s: s.state.terminal)
+    assert fake_api.answered is None  # the verdict did fall inside that look
+    assert status.state is Outcome.FAILED and "OOMKilled" in status.reason
+    assert not any((n.reason or "").startswith("Evicted") for n in status.nodes), status.nodes
+    assert backend.relaunch_reason(handle, status) is None
+    # Every later look agrees: the deletion came after the verdict.
+    status = settle(backend, handle, lambda s: s.state.terminal)
+    assert backend.relaunch_reason(handle, status) is None, status.nodes
+
+
 def test_a_pod_deleted_and_gone_before_it_was_seen_is_a_disruption(
     fake_api: FakeKubeAPI, backend: KubernetesBackend
 ) -> None:

@@ -2,7 +2,7 @@
 
 After the first look, the flow watches the group's pods from the last list's ``resourceVersion``
 and returns as soon as anything changes (or after ``watch_seconds``), rather than sleeping
-between polls. Then it reads the Job, lists the pods and, only when they explain something, the
+between polls. Then it lists the pods, reads the Job and, only when they explain something, the
 Job's events (pods not created) and Kueue's Workloads (Job suspended), and reduces all of it to
 node observations (:mod:`~airflow_torchrun.backends.kubernetes.status`, pure).
 
@@ -88,12 +88,16 @@ def observe_flow(
     ns, name = handle.namespace, handle.job_name
     if watch and state.should_wait():
         yield api.watch_pods(ns, selector(handle), state.resource_version, max(1, math.ceil(watch_seconds)))
+    # The pods before the Job: the Job controller gives its verdict (FailureTarget) before it
+    # deletes the rest of a failed group, so a deletion seen in the list is also in the Job read
+    # after it. Read the other way round, a verdict falling between the two reads made the Job
+    # controller's deletion look like someone else's (a disruption: a relaunch after an OOM).
+    listed: dict[str, Any] = yield api.list_pods(ns, selector(handle))
+    pods = owned_pods(handle, api.items(listed))
     job: dict[str, Any] | None = yield api.read_job(ns, name)
     if job is not None and handle.job_uid and (job.get("metadata") or {}).get("uid") != handle.job_uid:
         log.warning("Job %s/%s is not the one launched (uid %s): the group is gone", ns, name, handle.job_uid)
         job = None
-    listed: dict[str, Any] = yield api.list_pods(ns, selector(handle))
-    pods = owned_pods(handle, api.items(listed))
     events: list[dict[str, Any]] = []
     workloads: list[dict[str, Any]] = []
     if needs_events(handle.num_nodes, job, pods):

@@ -284,11 +284,18 @@ def start(path: Path, env: Mapping[str, str]) -> None:
 
 
 def stop_all(directory: Path) -> list[int]:
-    """SIGTERM every zygote with a pid file in ``directory`` (a test session's end); their pids."""
+    """SIGTERM every zygote with a pid file in ``directory`` (a test session's end); their pids.
+
+    Only a process whose command line is that zygote's: a zygote killed with SIGKILL leaves its
+    pid file behind, and its pid may since belong to any other process."""
     pids = []
     for pid_file in directory.glob("*.sock.pid"):
         with contextlib.suppress(OSError, ValueError):
             pid = int(pid_file.read_text())
+            with open(f"/proc/{pid}/cmdline", "rb") as fp:
+                argv = fp.read().split(b"\0")
+            if os.fsencode(f"--socket={str(pid_file)[: -len('.pid')]}") not in argv:
+                continue
             os.kill(pid, signal.SIGTERM)
             pids.append(pid)
     return pids
