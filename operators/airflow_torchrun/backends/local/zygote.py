@@ -294,7 +294,7 @@ def stop_all(directory: Path) -> list[int]:
             pid = int(pid_file.read_text())
             with open(f"/proc/{pid}/cmdline", "rb") as fp:
                 argv = fp.read().split(b"\0")
-            if os.fsencode(f"--socket={str(pid_file)[: -len('.pid')]}") not in argv:
+            if os.fsencode(f"--socket={pid_file.with_suffix('')}") not in argv:
                 continue
             os.kill(pid, signal.SIGTERM)
             pids.append(pid)
