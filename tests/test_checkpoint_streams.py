@@ -103,6 +103,19 @@ def test_an_abandoned_upload_leaves_no_object_and_no_open_upload(moto_s3, fs) ->
 # --- file:// past the page cache -------------------------------------------------------------------
 
 
+def test_the_checksum_is_zlibs_crc32_whichever_library_computes_it() -> None:
+    """zlib-ng computes it (the worker extra brings it): the same CRC-32 as zlib's, so checkpoints
+    written with either verify with the other; any length and alignment, continued piece by piece."""
+    from airflow_torchrun.storage import checkpoints
+
+    data = os.urandom(3 * MIB + 7)
+    for start, end in ((0, 0), (0, 1), (1, 4097), (5, 2 * MIB + 3), (0, len(data))):
+        piece = memoryview(data)[start:end]
+        assert checkpoints.crc32_of(piece) == zlib.crc32(piece), (start, end)
+    assert checkpoints.crc32_of(data[MIB:], checkpoints.crc32_of(data[:MIB])) == zlib.crc32(data)
+    assert checkpoints.CRC32_LIBRARY == "zlib-ng"  # without it, every save and load checksums at a quarter of the speed
+
+
 def test_a_writeback_start_waiting_for_the_disk_holds_up_no_checksum(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """sync_file_range blocks while the disk's queue is full: the records after it must still be
     checksummed and written meanwhile (on the checksum helper, they queued behind it)."""

@@ -31,7 +31,6 @@ import os
 import re
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +42,17 @@ from airflow_torchrun.storage.uri import make_filesystem, normalize_uri, parse_u
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
+
+try:
+    # zlib-ng's CRC-32 is zlib's (the same checksums), computed about four times as fast with the CPU's
+    # carry-less multiply: at 1 GB, 0.04 s against 0.15-0.23 s here. It releases the GIL as zlib does.
+    from zlib_ng.zlib_ng import crc32 as _crc32
+
+    CRC32_LIBRARY = "zlib-ng"
+except ImportError:  # the worker extra brings it; without it, the standard library's (the same values)
+    from zlib import crc32 as _crc32
+
+    CRC32_LIBRARY = "zlib"
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +87,8 @@ def step_of(name: str) -> int | None:
 
 
 def crc32_of(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32 of ``data`` (continuing from ``value``)."""
-    return zlib.crc32(data, value) & 0xFFFFFFFF
+    """CRC-32 of ``data`` (continuing from ``value``), with zlib-ng where it is installed."""
+    return _crc32(data, value) & 0xFFFFFFFF
 
 
 def checksum_text(value: int) -> str:
