@@ -260,7 +260,7 @@ OPERATOR_PHASES = (
     ("exited -> watch's verdict", "exited", "ended"),
     ("teardown", "teardown_started", "teardown_done"),
     ("finish (contract)", "finish_started", "try_ended"),
-    ("Airflow: our end -> task end", "try_ended", "task_end"),
+    ("try ended -> task end (our timeline and goodput XComs, then Airflow's)", "try_ended", "task_end"),
 )
 BARE_PHASES = (
     ("launched -> ranks started", "launched -> started"),
