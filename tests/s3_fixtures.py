@@ -108,6 +108,17 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def reachable(store: Any, budget: float = 60.0) -> None:
+    """``store.check_access()`` where a test needs the store usable, called as the operator's preflight
+    calls it: a transient failure is retried within ``budget``, a permanent one raised at once. The
+    check's own 2 s connect timeout is the product's; on a loaded machine the in-process moto server
+    missed it once (a rehearsal's ``test_a_root_belongs_to_its_first_lineage[s3]``), which the
+    preflight rides out."""
+    from airflow_torchrun.errors import retry_transient
+
+    retry_transient(store.check_access, budget=budget, what="checking checkpoint storage")
+
+
 @pytest.fixture(scope="session")
 def moto_s3() -> Iterator[MotoS3]:
     """moto's S3 (and IAM) server on a free localhost port, for the whole session."""

@@ -105,7 +105,7 @@ def test_default_checkpoint_uri_is_injective(tmp_path: Path) -> None:
 # -- lineage ---------------------------------------------------------------------------------------
 def test_a_root_belongs_to_its_first_lineage(root: str, clean_env: pytest.MonkeyPatch) -> None:
     store = CheckpointStore(root)
-    store.check_access()
+    s3_fixtures.reachable(store)
     claim_lineage(store, MINE)
     claim_lineage(store, MINE)  # every try of the same task instance: fine
     assert read_lineage(store) == MINE
@@ -538,7 +538,7 @@ def test_an_aws_connection_with_role_arn_is_resolved_by_the_provider(
     assert options["endpoint_url"] == moto_s3.endpoint
     assert options["client_kwargs"] == {"region_name": s3_fixtures.REGION}
     bucket = moto_s3.make_bucket()
-    CheckpointStore(f"s3://{bucket}/x", options).check_access()
+    s3_fixtures.reachable(CheckpointStore(f"s3://{bucket}/x", options))
     with pytest.raises(StorageError, match="no such Airflow connection") as missing:
         storage_options_from_aws_conn_id("no_such_connection_anywhere")
     assert missing.value.transient is False

@@ -15,7 +15,7 @@ from airflow_torchrun.errors import StorageError
 from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.storage.lineage import ref_from_uri, resolve_resume
 from airflow_torchrun.storage.uri import normalize_uri, parse_uri
-from tests.s3_fixtures import MotoS3, closed_port
+from tests.s3_fixtures import MotoS3, closed_port, reachable
 
 
 @dataclass
@@ -321,7 +321,7 @@ def test_check_access_wrong_credentials(moto_s3: MotoS3) -> None:
     uri = f"s3://{bucket}/run"
     with moto_s3.enforce_auth():
         # Valid keys with S3 rights pass: the failures below are about the credentials.
-        CheckpointStore(uri, moto_s3.storage_options(**writer)).check_access()
+        reachable(CheckpointStore(uri, moto_s3.storage_options(**writer)))
         message, _ = _timed_failure(
             CheckpointStore(uri, moto_s3.storage_options(key="AKIAUNKNOWNKEY000000", secret="x"))
         )

@@ -218,7 +218,7 @@ def test_two_tasks_claiming_one_root_at_once_never_both_win(tmp_path: Path, sche
         claimants = [Lineage("dag", f"run_{who}", "train") for who in ("a", "b")]
         stores = [CheckpointStore(uri, options if scheme == "s3" else None) for _ in claimants]
         for store in stores:
-            store.check_access()
+            s3_fixtures.reachable(store)
         ready = threading.Barrier(2)
         won: list[Lineage] = []
         refused: list[str] = []

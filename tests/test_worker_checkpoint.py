@@ -25,7 +25,7 @@ from airflow_torchrun.errors import StorageError
 from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.worker import load_checkpoint, resume_step, save_checkpoint, wait_for_checkpoint
 from airflow_torchrun.worker.checkpoint.files import MAPPED_FILE_SYSTEMS, file_system_of
-from tests.s3_fixtures import MotoS3
+from tests.s3_fixtures import MotoS3, reachable
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = ROOT / "images" / "trainer" / "train.py"
@@ -584,7 +584,7 @@ def test_connection_options_reach_the_ranks_through_env(moto_s3: MotoS3, clean_e
     )
     options["config_kwargs"] = {"connect_timeout": 3}
     root = f"s3://{bucket}/from-connection"
-    CheckpointStore(root, options).check_access()
+    reachable(CheckpointStore(root, options))
     for key, value in storage_env(options).items():
         clean_env.setenv(key, value)
     clean_env.setenv("TRAIN_CHECKPOINT_URI", root)
