@@ -18,10 +18,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.request import Request, urlopen
 
 import pytest
+
+if TYPE_CHECKING:
+    from airflow_torchrun.storage.checkpoints import CheckpointStore
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
@@ -108,7 +111,7 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def reachable(store: Any, budget: float = 60.0) -> None:
+def reachable(store: CheckpointStore, budget: float = 60.0) -> None:
     """``store.check_access()`` where a test needs the store usable, called as the operator's preflight
     calls it: a transient failure is retried within ``budget``, a permanent one raised at once. The
     check's own 2 s connect timeout is the product's; on a loaded machine the in-process moto server
