@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from job import first_steps, job_events
 from rows import Samples, row, write_json
 from stats import RepeatRule, mean_interval
 
+from airflow_torchrun.backends.local.backend import free_port
 from airflow_torchrun.contract.launch import AGENT_START_VAR, RANK_START_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,12 +80,6 @@ def progress(bench: str, what: str, value: object) -> None:
     elif hasattr(value, "__dict__"):
         value = {k: short(v) for k, v in vars(value).items() if v not in (None, "")}
     print(f"  [bench:{bench} +{time.monotonic() - _BEGAN:4.0f}s] {what}: {short(value)}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def first_step_at(events: Path) -> float:

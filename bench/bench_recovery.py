@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_group import ROOT, WORK, progress, task_times, warm_up, write_dag
+from bench_group import ROOT, WORK, free_port, progress, task_times, warm_up, write_dag
 from job import first_steps
 from rows import Samples, failed_row, row, write_json
 
@@ -84,12 +83,6 @@ def read_outcome(env: dict[str, str], started: float | None) -> Outcome:
     if not after:
         return Outcome(False, launch_to_first_s=launch, reason="no training step after the death")
     return Outcome(True, after[0] - died, launch)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def reap(mark: str) -> None:

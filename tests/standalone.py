@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,11 @@ from urllib.parse import quote
 
 from airflow_torchrun.backends.base import GroupHandle
 from airflow_torchrun.backends.local.backend import LocalBackend
+from tests.ports import free_port
 
 STARTUP_DEADLINE_S = 300.0
 RUN_DEADLINE_S = 240.0
 PARSE_DEADLINE_S = 120.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (other helpers may run a standalone of their own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, check: Callable[[], Any], deadline_s: float, interval: float = 0.5) -> Any:

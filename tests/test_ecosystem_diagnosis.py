@@ -230,7 +230,7 @@ def test_launcher_marks_failures_of_module_level_imports(tmp_path):
 
 @pytest.mark.slow
 def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypatch):
-    from tests.standalone import free_port
+    from tests.ports import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

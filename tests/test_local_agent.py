@@ -27,6 +27,7 @@ from airflow_torchrun.backends.local.backend import AGENT_MODULE, LocalBackend
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.wiring import TORCHRUN_MODULE
+from tests.ports import free_port, refusing_port
 
 WORKER = textwrap.dedent(
     """
@@ -52,12 +53,6 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _node(
     module: str,
     tmp_path: Path,
@@ -75,7 +70,7 @@ def _node(
     (run / "worker.py").write_text(WORKER)
     launcher = [str(program)] if program else ["-m", module]
     argv = [sys.executable, *launcher, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--node-rank={node_rank}"]
-    argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port or _free_port()}"]
+    argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port or free_port()}"]
     argv += ["--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={run / 'logs'}", *extra]
     env = {**os.environ, "HOW": how, "UP": str(run / "up"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -134,7 +129,7 @@ def test_the_agent_ends_as_torchrun_does(tmp_path: Path, how: str, extra: tuple[
 def test_two_static_nodes_pass_their_exit_barrier_though_node_0_leaves_at_once(tmp_path: Path, round_: int) -> None:
     """Node 0's agent hosts the rendezvous store; it leaves as soon as its exit barrier passed.
     Afterwards: both agents exited 0 and neither logged an error from the barrier or a traceback."""
-    port = _free_port()
+    port = free_port()
     nodes = [_node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=n, port=port) for n in (0, 1)]
     ends = [_end(node, "succeed") for node in nodes]
     for code, out in ends:
@@ -165,7 +160,7 @@ LATE_WAITER = textwrap.dedent(
 def test_node_0_waits_for_an_agent_that_is_late_to_its_exit_barrier_wait(tmp_path: Path) -> None:
     """Node 1 checks in at the exit barrier, then pauses a second before its wait on node 0's store.
     Afterwards: both agents exited 0, node 1 logged no barrier error, node 0 did not give up waiting for it."""
-    port = _free_port()
+    port = free_port()
     late = tmp_path / "late_waiter.py"
     late.write_text(LATE_WAITER)
     node0 = _node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=0, port=port)
@@ -279,7 +274,7 @@ def test_a_static_client_connects_only_once_node_0s_store_listens(monkeypatch: p
 
     monkeypatch.setattr(static.StaticTCPRendezvous, "next_rendezvous", static.StaticTCPRendezvous.next_rendezvous)
     agent._connect_once_node_0_listens()
-    port, listening_at_connect = _free_port(), []
+    port, listening_at_connect = free_port(), []
 
     def recording_store(host: str, port_: int, *args: object, **kwargs: object) -> dist.TCPStore:
         with socket.socket() as probe:
@@ -312,9 +307,10 @@ def test_a_static_client_whose_node_0_never_listens_fails_at_the_rendezvous_time
 
     monkeypatch.setattr(static.StaticTCPRendezvous, "next_rendezvous", static.StaticTCPRendezvous.next_rendezvous)
     agent._connect_once_node_0_listens()
-    node_1 = static.StaticTCPRendezvous("127.0.0.1", _free_port(), rank=1, world_size=2, run_id="g", timeout=3)
-    began = time.monotonic()
-    with pytest.raises(dist.DistNetworkError, match=r"within the rendezvous timeout of 3 s \(rdzv_timeout\)"):
-        node_1.next_rendezvous()
+    with refusing_port() as port:
+        node_1 = static.StaticTCPRendezvous("127.0.0.1", port, rank=1, world_size=2, run_id="g", timeout=3)
+        began = time.monotonic()
+        with pytest.raises(dist.DistNetworkError, match=r"within the rendezvous timeout of 3 s \(rdzv_timeout\)"):
+            node_1.next_rendezvous()
     assert time.monotonic() - began < 3 + 1.5  # torchrun's own connect after it would take 3 s more
     assert node_1._store is None

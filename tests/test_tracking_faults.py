@@ -30,7 +30,7 @@ from airflow_torchrun.tracking import (
 )
 from airflow_torchrun.worker.tracking import RunLogger
 from tests.mlflow_server import MlflowServer
-from tests.mlflow_server import free_port as _free_port
+from tests.ports import refusing_port
 from tests.s3_fixtures import HungServer, http_answering
 
 log = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ def test_check_and_setup_say_transient_or_permanent(
     with pytest.raises(TrackingError, match="answered HTTP 503") as info:
         check_tracking_uri(http_503)
     assert info.value.transient
-    with pytest.raises(TrackingError, match="not reachable") as info:
-        ensure_run(_context(_task()), tracking_uri=f"http://127.0.0.1:{_free_port()}")
+    with refusing_port() as port, pytest.raises(TrackingError, match="not reachable") as info:
+        ensure_run(_context(_task()), tracking_uri=f"http://127.0.0.1:{port}")
     assert info.value.transient
     (tmp_path / "file").write_text("x")
     with pytest.raises(TrackingError, match="cannot create the directory") as info:
@@ -182,13 +182,14 @@ def test_run_logger_rides_out_a_restart_and_logs_every_step_once(server: MlflowS
 def test_run_logger_buffer_is_bounded_and_drops_the_oldest(caplog: pytest.LogCaptureFixture) -> None:
     """Afterwards: with nothing answering, the buffer holds the newest max_buffered values, the
     overflow is counted and named in a warning, and close() returns within its budget."""
-    uri = f"http://127.0.0.1:{_free_port()}"
-    tracker = RunLogger(run_id="0" * 32, tracking_uri=uri, rank=0, flush_every=1, max_buffered=10, close_budget=0.5)
-    started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="airflow_torchrun.worker.tracking"):
-        for step in range(25):
-            tracker.log_metrics({"loss": float(step)}, step)
-        tracker.close()
+    with refusing_port() as port:
+        uri = f"http://127.0.0.1:{port}"
+        tracker = RunLogger(run_id="0" * 32, tracking_uri=uri, rank=0, flush_every=1, max_buffered=10, close_budget=0.5)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="airflow_torchrun.worker.tracking"):
+            for step in range(25):
+                tracker.log_metrics({"loss": float(step)}, step)
+            tracker.close()
     assert time.monotonic() - started < 10
     assert tracker.pending == 10 and tracker.metrics_dropped == 15
     assert [m.step for m in tracker._pending] == list(range(15, 25))

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.standalone import free_port, wait_for
+from tests.ports import free_port
+from tests.standalone import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
