@@ -40,6 +40,7 @@ from tests.chaos import matrix
 from tests.example_trainer import IMPORTS as TRAINER_IMPORTS
 from tests.example_trainer import digest, train_task
 from tests.mlflow_server import MlflowServer
+from tests.ports import ReservedPort
 
 # One moto server per session (each test makes its own bucket): bound here, for every module.
 from tests.s3_fixtures import hung_server, moto_s3, restartable_s3, s3_env  # noqa: F401 - fixtures
@@ -310,6 +311,21 @@ def mlflow_sqlite_uri(mlflow_store_template: Path, tmp_path: Path) -> str:
     path = tmp_path / "mlflow.db"
     shutil.copyfile(mlflow_store_template, path)
     return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def reserve_port() -> Iterator[Callable[[], int]]:
+    """Ports for this test's own servers (its torchrun's store, say), each held until the test ends:
+    no server of a test beside it is handed one meanwhile (:class:`tests.ports.ReservedPort`)."""
+    held: list[ReservedPort] = []
+
+    def reserve() -> int:
+        held.append(ReservedPort())
+        return held[-1].port
+
+    yield reserve
+    for reservation in held:
+        reservation.close()
 
 
 @pytest.fixture(scope="session")

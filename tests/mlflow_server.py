@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.ports import free_port
+from tests.ports import ReservedPort
 
 
 class MlflowServer:
@@ -25,7 +25,9 @@ class MlflowServer:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.port = free_port()
+        # Held while the object lives: the server is down between a fault test's stop and start.
+        self._port = ReservedPort()
+        self.port = self._port.port
         self.uri = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 

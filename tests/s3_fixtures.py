@@ -23,6 +23,8 @@ from urllib.request import Request, urlopen
 
 import pytest
 
+from tests.ports import ReservedPort
+
 if TYPE_CHECKING:
     from airflow_torchrun.storage.checkpoints import CheckpointStore
 
@@ -104,13 +106,6 @@ class MotoS3:
             response.read()
 
 
-def closed_port() -> int:
-    """A localhost port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def reachable(store: CheckpointStore, budget: float = 60.0) -> None:
     """``store.check_access()`` where a test needs the store usable, called as the operator's preflight
     calls it: a transient failure is retried within ``budget``, a permanent one raised at once. The
@@ -154,7 +149,9 @@ class RestartableS3:
     """
 
     def __init__(self) -> None:
-        self.port = closed_port()
+        # Held while the object lives: the server is down between a fault test's stop and start.
+        self._port = ReservedPort()
+        self.port = self._port.port
         self.s3 = MotoS3(endpoint=f"http://127.0.0.1:{self.port}")
         self._server: Any = None
 

@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from airflow_torchrun.backends.base import GroupHandle
 from airflow_torchrun.backends.local.backend import LocalBackend
-from tests.ports import free_port
+from tests.ports import ReservedPort
 
 STARTUP_DEADLINE_S = 300.0
 RUN_DEADLINE_S = 240.0
@@ -203,7 +203,9 @@ def start_standalone(
     home, state_dir, work_dir = (root / n for n in ("airflow", "torchrun", "work"))
     for d in (home, state_dir, work_dir):
         d.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    # Held until the services are stopped: they bind them only after their start-up (tens of seconds).
+    held = [ReservedPort() for _ in range(3)]
+    port, worker_log_port, trigger_log_port = (r.port for r in held)
     env = {
         **os.environ,
         # standalone starts its services as `airflow ...` from PATH: this interpreter's one
@@ -217,8 +219,8 @@ def start_standalone(
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": f"http://localhost:{port}{base_path}/" if base_path else f"http://localhost:{port}",
         "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
         "AIRFLOW__CORE__PARALLELISM": "4",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "OMP_NUM_THREADS": "1",
@@ -264,6 +266,8 @@ def start_standalone(
         yield server
     finally:
         stop_process_group(proc)
+        for reservation in held:
+            reservation.close()
         leftovers = teardown_groups(state_dir)
         assert not leftovers, f"groups still running when the module ended: {leftovers}"
 

@@ -15,7 +15,8 @@ from airflow_torchrun.errors import StorageError
 from airflow_torchrun.storage.checkpoints import COMMIT_MARKER, CheckpointRef, CheckpointStore
 from airflow_torchrun.storage.lineage import ref_from_uri, resolve_resume
 from airflow_torchrun.storage.uri import normalize_uri, parse_uri
-from tests.s3_fixtures import MotoS3, closed_port, reachable
+from tests.ports import refusing_port
+from tests.s3_fixtures import MotoS3, reachable
 
 
 @dataclass
@@ -289,9 +290,10 @@ def _timed_failure(store: CheckpointStore, *, transient: bool = False) -> tuple[
 
 
 def test_check_access_unreachable_endpoint_fails_fast(moto_s3: MotoS3) -> None:
-    endpoint = f"http://127.0.0.1:{closed_port()}"
-    store = CheckpointStore("s3://some-bucket/run", moto_s3.storage_options(endpoint_url=endpoint))
-    message, seconds = _timed_failure(store, transient=True)
+    with refusing_port() as port:
+        endpoint = f"http://127.0.0.1:{port}"
+        store = CheckpointStore("s3://some-bucket/run", moto_s3.storage_options(endpoint_url=endpoint))
+        message, seconds = _timed_failure(store, transient=True)
     assert "cannot be reached" in message
     assert endpoint in message
     assert "AWS_ENDPOINT_URL" in message

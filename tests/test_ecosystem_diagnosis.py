@@ -229,11 +229,9 @@ def test_launcher_marks_failures_of_module_level_imports(tmp_path):
 
 
 @pytest.mark.slow
-def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypatch):
-    from tests.ports import free_port
-
+def test_launcher_records_the_process_group_the_script_joined(tmp_path, monkeypatch, reserve_port):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(reserve_port()))
     monkeypatch.setenv("WORLD_SIZE", "1")
     proc, _, pg = _launch(
         tmp_path,

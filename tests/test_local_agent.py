@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from airflow_torchrun.backends.local.backend import AGENT_MODULE, LocalBackend
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.wiring import TORCHRUN_MODULE
-from tests.ports import free_port, refusing_port
+from tests.ports import refusing_port
 
 WORKER = textwrap.dedent(
     """
@@ -58,9 +59,9 @@ def _node(
     tmp_path: Path,
     how: str,
     *extra: str,
+    port: int,
     nnodes: int = 1,
     node_rank: int = 0,
-    port: int = 0,
     program: Path | None = None,
 ) -> tuple[subprocess.Popen[str], Path]:
     """One node's agent as the local backend starts it (static rendezvous, tee'd logs), and its folder;
@@ -70,7 +71,7 @@ def _node(
     (run / "worker.py").write_text(WORKER)
     launcher = [str(program)] if program else ["-m", module]
     argv = [sys.executable, *launcher, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--node-rank={node_rank}"]
-    argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port or free_port()}"]
+    argv += ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
     argv += ["--max-restarts=0", "--monitor-interval=0.1", "--tee=3", f"--log-dir={run / 'logs'}", *extra]
     env = {**os.environ, "HOW": how, "UP": str(run / "up"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -112,10 +113,12 @@ def _last_line(output: str) -> str:
         ("succeed", ("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
     ],
 )
-def test_the_agent_ends_as_torchrun_does(tmp_path: Path, how: str, extra: tuple[str, ...], says: str | None) -> None:
+def test_the_agent_ends_as_torchrun_does(
+    tmp_path: Path, reserve_port: Callable[[], int], how: str, extra: tuple[str, ...], says: str | None
+) -> None:
     """Afterwards: the same exit status as torchrun, the same last line, and what it says."""
-    ours = _end(_node(AGENT_MODULE, tmp_path, how, *extra), how)
-    theirs = _end(_node(TORCHRUN_MODULE, tmp_path, how, *extra), how)
+    ours = _end(_node(AGENT_MODULE, tmp_path, how, *extra, port=reserve_port()), how)
+    theirs = _end(_node(TORCHRUN_MODULE, tmp_path, how, *extra, port=reserve_port()), how)
     assert ours[0] == theirs[0], (ours, theirs)
     assert _last_line(ours[1]) == _last_line(theirs[1]), (ours[1][-2000:], theirs[1][-2000:])
     if says is not None:
@@ -126,10 +129,12 @@ def test_the_agent_ends_as_torchrun_does(tmp_path: Path, how: str, extra: tuple[
 
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", range(3))
-def test_two_static_nodes_pass_their_exit_barrier_though_node_0_leaves_at_once(tmp_path: Path, round_: int) -> None:
+def test_two_static_nodes_pass_their_exit_barrier_though_node_0_leaves_at_once(
+    tmp_path: Path, reserve_port: Callable[[], int], round_: int
+) -> None:
     """Node 0's agent hosts the rendezvous store; it leaves as soon as its exit barrier passed.
     Afterwards: both agents exited 0 and neither logged an error from the barrier or a traceback."""
-    port = free_port()
+    port = reserve_port()
     nodes = [_node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=n, port=port) for n in (0, 1)]
     ends = [_end(node, "succeed") for node in nodes]
     for code, out in ends:
@@ -157,10 +162,12 @@ LATE_WAITER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_node_0_waits_for_an_agent_that_is_late_to_its_exit_barrier_wait(tmp_path: Path) -> None:
+def test_node_0_waits_for_an_agent_that_is_late_to_its_exit_barrier_wait(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
     """Node 1 checks in at the exit barrier, then pauses a second before its wait on node 0's store.
     Afterwards: both agents exited 0, node 1 logged no barrier error, node 0 did not give up waiting for it."""
-    port = free_port()
+    port = reserve_port()
     late = tmp_path / "late_waiter.py"
     late.write_text(LATE_WAITER)
     node0 = _node(AGENT_MODULE, tmp_path, "succeed", nnodes=2, node_rank=0, port=port)
@@ -209,12 +216,14 @@ def test_the_local_backend_runs_its_agent(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_sigterm_does_not_cut_the_agents_shutdown_short(tmp_path: Path) -> None:
+def test_a_second_sigterm_does_not_cut_the_agents_shutdown_short(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
     """A teardown signals the agent twice (stop_group reaches every process of the node, and the node's
     supervisor, signalled too, stops its node again). torchrun raises in its signal handler, so the
     second SIGTERM broke off its wait for the worker. Afterwards: the agent left only once its worker
     had finished its save, and said so once (no exception raised while handling the first)."""
-    proc, run = _node(AGENT_MODULE, tmp_path, "slow-stop")
+    proc, run = _node(AGENT_MODULE, tmp_path, "slow-stop", port=reserve_port())
     try:
         deadline = time.monotonic() + 120
         while not Path(f"{run / 'up'}.armed").exists():
@@ -261,7 +270,9 @@ def test_a_failed_ranks_traceback_is_logged_without_importing_dynamo() -> None:
     assert any(line.endswith("] RuntimeError: process 0 terminated with exit code 1") for line in lines), done.stderr
 
 
-def test_a_static_client_connects_only_once_node_0s_store_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_static_client_connects_only_once_node_0s_store_listens(
+    monkeypatch: pytest.MonkeyPatch, reserve_port: Callable[[], int]
+) -> None:
     """torchrun's client would connect at once and, refused, back off for 0.4 to 0.6 s after the store
     is up; the agent's client first waits for node 0's port to listen, so torch finds it up."""
     import threading
@@ -274,7 +285,7 @@ def test_a_static_client_connects_only_once_node_0s_store_listens(monkeypatch: p
 
     monkeypatch.setattr(static.StaticTCPRendezvous, "next_rendezvous", static.StaticTCPRendezvous.next_rendezvous)
     agent._connect_once_node_0_listens()
-    port, listening_at_connect = free_port(), []
+    port, listening_at_connect = reserve_port(), []
 
     def recording_store(host: str, port_: int, *args: object, **kwargs: object) -> dist.TCPStore:
         with socket.socket() as probe:

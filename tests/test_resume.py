@@ -18,6 +18,7 @@ from tests.conftest import group_processes
 from tests.example_trainer import IMPORTS, TRAINER
 from tests.example_trainer import digest as _digest
 from tests.example_trainer import train_task as _train_task
+from tests.ports import refusing_port
 
 pytestmark = pytest.mark.slow
 
@@ -81,34 +82,36 @@ def test_bad_storage_fails_before_any_rank_starts(
     run_dag, moto_s3, monkeypatch, tiny_script, checkpoint_uri, conn, expected
 ):
     bucket = moto_s3.make_bucket()
-    endpoint = f"http://127.0.0.1:{s3_fixtures.closed_port()}" if conn == "unreachable" else moto_s3.endpoint
-    # moto checks credentials only while auth is enforced; an unknown key id is then refused
-    login = "AKIAUNKNOWNKEY0000000" if conn == "wrong-secret" else s3_fixtures.ACCESS_KEY
-    extra = {"endpoint_url": endpoint, "region_name": s3_fixtures.REGION}
-    monkeypatch.setenv(
-        "AIRFLOW_CONN_BAD_S3",
-        json.dumps({"conn_type": "aws", "login": login, "password": s3_fixtures.SECRET_KEY, "extra": extra}),
-    )
-    ctx = moto_s3.enforce_auth() if conn == "wrong-secret" else contextlib.nullcontext()
-    # An unreachable endpoint is transient: waited for within preflight_budget, then retryable.
-    retries = 0 if conn == "unreachable" else 3
-    with ctx:
-        result = run_dag(
-            f"""
-            DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2,
-                                        retries={retries}, preflight_budget=2,
-                                        checkpoint_uri={checkpoint_uri.format(bucket=bucket)!r},
-                                        aws_conn_id="bad_s3")
-            """
+    # An unreachable endpoint: a port held refusing for the test's length (no server of another test takes it).
+    with refusing_port() if conn == "unreachable" else contextlib.nullcontext() as refused:
+        endpoint = f"http://127.0.0.1:{refused}" if refused else moto_s3.endpoint
+        # moto checks credentials only while auth is enforced; an unknown key id is then refused
+        login = "AKIAUNKNOWNKEY0000000" if conn == "wrong-secret" else s3_fixtures.ACCESS_KEY
+        extra = {"endpoint_url": endpoint, "region_name": s3_fixtures.REGION}
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_BAD_S3",
+            json.dumps({"conn_type": "aws", "login": login, "password": s3_fixtures.SECRET_KEY, "extra": extra}),
         )
-    assert result.state == "failed"
-    assert expected in result.log
-    if conn == "unreachable":
-        assert "A retry may succeed" in result.log
-    else:  # permanent: Airflow's 3 retries are not spent on it
-        assert result.try_number("train") == 1 and "A retry cannot fix this" in result.log
-    assert result.xcom("train", key="group") is None, "a group was launched"
-    assert "Launched group" not in result.log
+        ctx = moto_s3.enforce_auth() if conn == "wrong-secret" else contextlib.nullcontext()
+        # An unreachable endpoint is transient: waited for within preflight_budget, then retryable.
+        retries = 0 if conn == "unreachable" else 3
+        with ctx:
+            result = run_dag(
+                f"""
+                DistributedTrainingOperator(task_id="train", script={str(tiny_script)!r}, num_nodes=2,
+                                            retries={retries}, preflight_budget=2,
+                                            checkpoint_uri={checkpoint_uri.format(bucket=bucket)!r},
+                                            aws_conn_id="bad_s3")
+                """
+            )
+        assert result.state == "failed"
+        assert expected in result.log
+        if conn == "unreachable":
+            assert "A retry may succeed" in result.log
+        else:  # permanent: Airflow's 3 retries are not spent on it
+            assert result.try_number("train") == 1 and "A retry cannot fix this" in result.log
+        assert result.xcom("train", key="group") is None, "a group was launched"
+        assert "Launched group" not in result.log
 
 
 def test_malformed_checkpoint_uri_fails_at_parse_time(tmp_path, tiny_script):

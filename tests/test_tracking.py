@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from airflow_torchrun.tracking import (
     rank_env,
     resolve_tracking_uri,
 )
+from tests.ports import refusing_port
 from tests.s3_fixtures import HungServer
 
 
@@ -99,20 +99,15 @@ def test_rank_env_and_default_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 # -- an unreachable tracking server --------------------------------------------------------------
-def _closed_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 def test_unreachable_tracking_server_fails_fast_with_a_clear_message(hung_server: HungServer) -> None:
     started = time.monotonic()
-    with pytest.raises(
-        TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"
-    ) as info:
-        ensure_run(_context(1), tracking_uri=f"http://127.0.0.1:{_closed_port()}")
+    with (
+        refusing_port() as port,
+        pytest.raises(
+            TrackingUnreachableError, match=r"MLflow tracking server http://127\.0\.0\.1:\d+ is not reach"
+        ) as info,
+    ):
+        ensure_run(_context(1), tracking_uri=f"http://127.0.0.1:{port}")
     assert info.value.transient  # the operator rides it out within its budget, then retries the task
     from airflow_torchrun.tracking import check_tracking_uri
 

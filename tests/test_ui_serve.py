@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import reserved_ports
 from tests.standalone import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -60,7 +60,19 @@ def _listening(port: int) -> bool:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_make_ui_stops_both_services_when_it_is_signalled(tmp_path: Path, signum: signal.Signals) -> None:
-    airflow_port, mlflow_port = free_port(), free_port()
+    # Held to the end, past the check that nothing listens on them after the services stopped.
+    with reserved_ports(4) as (airflow_port, mlflow_port, worker_log_port, trigger_log_port):
+        _stops_both_services(tmp_path, signum, airflow_port, mlflow_port, worker_log_port, trigger_log_port)
+
+
+def _stops_both_services(
+    tmp_path: Path,
+    signum: signal.Signals,
+    airflow_port: int,
+    mlflow_port: int,
+    worker_log_port: int,
+    trigger_log_port: int,
+) -> None:
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
@@ -68,8 +80,8 @@ def test_make_ui_stops_both_services_when_it_is_signalled(tmp_path: Path, signum
         "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     (tmp_path / "dags").mkdir()
