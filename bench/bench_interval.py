@@ -70,8 +70,12 @@ class Injector:
 
     def stop(self) -> None:
         self._done.set()
+        self.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Until every time has come (or ``stop``)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
 
     def _run(self, began: float) -> None:
         for at in self.times:

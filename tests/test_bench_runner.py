@@ -525,7 +525,7 @@ def test_the_interval_bench_kills_rank_1_of_its_run_only_never_its_agent():
         injector = bench_interval.Injector("run-a", [0.1, 0.6])
         injector.start()
         assert rank1.wait(timeout=10) == -9
-        time.sleep(1.0)
+        injector.join(timeout=30)  # its second time came (not cut short by stop(), however late its thread ran)
         injector.stop()
         # The second failure time found no rank 1 (being relaunched): skipped, nothing else killed.
         assert (injector.kills, injector.skipped) == (1, 1)

@@ -155,8 +155,7 @@ def _launch_held(tmp_path: Path, **spec: object) -> tuple[LocalBackend, object]:
         script=str(script),
         num_nodes=2,
         script_args=["--from", "${TRAIN_RESUME_FROM}"],
-        teardown_grace=5,
-        **spec,  # type: ignore[arg-type]
+        **{"teardown_grace": 5, **spec},  # type: ignore[arg-type]
     )
     plan_ = backend.plan_gated(group, GroupIdentity("d", "t", tmp_path.name))
     assert plan_ is not None
@@ -206,7 +205,8 @@ def test_held_ranks_import_then_wait_and_run_with_the_gates_variables(tmp_path: 
 
 @pytest.mark.slow
 def test_a_held_group_torn_down_before_its_gate_opens_leaves_no_process(tmp_path: Path) -> None:
-    backend, handle = _launch_held(tmp_path)
+    # A grace far above a SIGTERM'd stop even at a load of 7 on 2 cores: one that took it is the SIGKILL's.
+    backend, handle = _launch_held(tmp_path, teardown_grace=30)
     try:
         _until(lambda: len(_ready(handle)) == 2, timeout=120, what="both ranks ready at the gate")
         assert len(group_pids(handle.group_id)) == 6  # type: ignore[attr-defined] # per node: supervisor, agent, rank
@@ -215,7 +215,7 @@ def test_a_held_group_torn_down_before_its_gate_opens_leaves_no_process(tmp_path
         backend.teardown(handle)  # type: ignore[arg-type]
         took = time.monotonic() - started
     assert group_pids(handle.group_id) == []  # type: ignore[attr-defined]
-    assert took < 5.0, f"held ranks took {took:.1f}s to stop: they must end on SIGTERM, not on the grace's SIGKILL"
+    assert took < 20.0, f"held ranks took {took:.1f}s to stop: they must end on SIGTERM, not on the grace's SIGKILL"
     exits = [json.loads(p.read_text()) for p in sorted(Path(handle.group_dir).glob("node-*/exit.json"))]  # type: ignore[attr-defined]
     assert len(exits) == 2 and all(e["stopped_by"] and not e["killed_stragglers"] for e in exits), exits
     assert "RAN" not in _logs(backend, handle)
