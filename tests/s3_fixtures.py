@@ -126,8 +126,12 @@ def moto_s3() -> Iterator[MotoS3]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    s3 = MotoS3(endpoint=f"http://{host}:{port}")
+    # moto builds a service's app on its first request, seconds on a loaded machine: built here, not
+    # in the first test's check with its short timeouts.
+    s3.client().list_buckets()
     try:
-        yield MotoS3(endpoint=f"http://{host}:{port}")
+        yield s3
     finally:
         server.stop()
 
