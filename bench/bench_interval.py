@@ -73,7 +73,7 @@ class Injector:
         self.join()
 
     def join(self, timeout: float | None = None) -> None:
-        """Until every time has come (or ``stop``)."""
+        """Until every time has come (or ``stop``, or ``timeout`` seconds)."""
         if self._thread is not None:
             self._thread.join(timeout)
 

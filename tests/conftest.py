@@ -316,7 +316,7 @@ def mlflow_sqlite_uri(mlflow_store_template: Path, tmp_path: Path) -> str:
 @pytest.fixture
 def reserve_port() -> Iterator[Callable[[], int]]:
     """Ports for this test's own servers (its torchrun's store, say), each held until the test ends:
-    no server of a test beside it is handed one meanwhile (:class:`tests.ports.ReservedPort`)."""
+    no later bind to port 0 is handed one meanwhile (:class:`tests.ports.ReservedPort`)."""
     held: list[ReservedPort] = []
 
     def reserve() -> int:
@@ -333,11 +333,11 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     """One real ``mlflow server`` for the session. A test that stops it (the fault it injects)
     may leave it down: each user calls :meth:`MlflowServer.start` first (a no-op while it runs)."""
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    server.start()
     try:
+        server.start()
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 # -- how the session runs: the fast loop, xdist groups, the chaos report ---------------------------

@@ -80,3 +80,10 @@ class MlflowServer:
                     return
             time.sleep(0.1)
         raise RuntimeError(f"port {self.port} still open after stopping the server")
+
+    def close(self) -> None:
+        """Stopped for good: the port is let go."""
+        try:
+            self.stop()
+        finally:
+            self._port.close()

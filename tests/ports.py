@@ -5,8 +5,11 @@ beside this one before this test's server binds it, or while that server is stop
 Hence two holds, each a socket bound to the port and never listening (connections to it are refused):
 
 - :func:`refusing_port`, without ``SO_REUSEADDR``: no process may listen on the port meanwhile;
-- :class:`ReservedPort`, with ``SO_REUSEADDR``: this test's own server may (uvicorn, werkzeug and
-  torch's ``TCPStore`` set it too), and no bind to port 0 is handed the port while the hold lasts.
+- :class:`ReservedPort`, with ``SO_REUSEADDR``: this test's own server may (it sets the option too:
+  uvicorn's event loop, werkzeug, torch's ``TCPStore``), and no later bind to port 0 is handed the
+  port while the hold lasts (a process that found the number free before the hold may still bind it).
+
+Linux's rules for ``SO_REUSEADDR``; the BSDs' differ.
 """
 
 from __future__ import annotations

@@ -127,10 +127,10 @@ def moto_s3() -> Iterator[MotoS3]:
     server.start()
     host, port = server.get_host_and_port()
     s3 = MotoS3(endpoint=f"http://{host}:{port}")
-    # moto builds a service's app on its first request, seconds on a loaded machine: built here, not
-    # in the first test's check with its short timeouts.
-    s3.client().list_buckets()
     try:
+        # moto builds a service's app on its first request, seconds on a loaded machine: built here,
+        # not in the first test's check with its short timeouts.
+        s3.client().list_buckets()
         yield s3
     finally:
         server.stop()
@@ -178,6 +178,11 @@ class RestartableS3:
             # ThreadedMotoServer.stop() leaves the listening socket open (connections would hang).
             server._server.server_close()
 
+    def close(self) -> None:
+        """Stopped for good: the port is let go."""
+        self.stop()
+        self._port.close()
+
     def start_after(self, seconds: float) -> threading.Timer:
         """Start the server again in ``seconds``, from another thread."""
         timer = threading.Timer(seconds, self.start)
@@ -195,7 +200,7 @@ def restartable_s3() -> Iterator[RestartableS3]:
     try:
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @contextlib.contextmanager

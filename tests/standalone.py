@@ -265,9 +265,11 @@ def start_standalone(
         server.wait_parsed(dag_id)
         yield server
     finally:
-        stop_process_group(proc)
-        for reservation in held:
-            reservation.close()
+        try:
+            stop_process_group(proc)
+        finally:
+            for reservation in held:
+                reservation.close()
         leftovers = teardown_groups(state_dir)
         assert not leftovers, f"groups still running when the module ended: {leftovers}"
 

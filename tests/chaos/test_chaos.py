@@ -266,7 +266,7 @@ def test_s3_down_for_20s_mid_training(run_dag: Callable[..., Any], uninterrupted
             if not server.running:
                 server.start()
     finally:
-        server.stop()
+        server.close()
     _judge(fault, results)
 
 
