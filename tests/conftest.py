@@ -238,6 +238,13 @@ def run_dag(airflow_db: Path, capfd: pytest.CaptureFixture[str]) -> Iterator[Cal
     cleanup()
 
 
+def unique_run(name: str) -> str:
+    """A run id for a local group that no test running beside this one launches: a group's processes
+    are found by the group id in their environment (``procs.group_pids``), so two tests that launch
+    one id at once tear down each other's processes (a rehearsal's ``test_zygote`` did)."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
 def group_processes(group_id: str) -> list[int]:
     from airflow_torchrun.backends.local.procs import group_pids
 

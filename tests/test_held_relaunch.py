@@ -27,6 +27,7 @@ from airflow_torchrun.status import NodePhase
 from airflow_torchrun.timeline import Mark, Timeline
 from airflow_torchrun.wiring import gate_env, holds_at_gate, plan
 from airflow_torchrun.worker.gate import GateError, read_gate, wait_for_gate
+from tests.conftest import unique_run
 from tests.test_goodput import _failed_then_resumed
 from tests.test_local_backend import _until
 
@@ -157,7 +158,7 @@ def _launch_held(tmp_path: Path, **spec: object) -> tuple[LocalBackend, object]:
         script_args=["--from", "${TRAIN_RESUME_FROM}"],
         **{"teardown_grace": 5, **spec},  # type: ignore[arg-type]
     )
-    plan_ = backend.plan_gated(group, GroupIdentity("d", "t", tmp_path.name))
+    plan_ = backend.plan_gated(group, GroupIdentity("d", "t", unique_run(tmp_path.name)))
     assert plan_ is not None
     return backend, backend.launch(plan_, watch_caller=True)
 

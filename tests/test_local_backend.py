@@ -24,6 +24,7 @@ from airflow_torchrun.backends.local.procs import group_pids, rank_pid
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import NodePhase, Outcome, group_status
+from tests.conftest import unique_run
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,9 @@ def _launch(tmp_path, tiny_script, *, watch_caller=False, **env):
         env={"STEPS": "100000", "STEP_SECONDS": "0.1", **env},
         teardown_grace=3,
     )
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=watch_caller)
+    handle = backend.launch(
+        backend.plan(spec, GroupIdentity("d", "t", unique_run(tmp_path.name)), {}), watch_caller=watch_caller
+    )
     return backend, handle
 
 
@@ -142,7 +145,8 @@ def test_dead_caller_stops_the_group(tmp_path, tiny_script):
 def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tiny_script):
     backend = LocalBackend(tmp_path / "state")
     spec = GroupSpec.create(script=str(tiny_script), num_nodes=2, nproc_per_node=1)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
+    identity = GroupIdentity("d", "t", unique_run("logs"))
+    handle = backend.launch(backend.plan(spec, identity, {}), watch_caller=False)
     status = _terminal(backend, handle, what="the group to finish")
     assert status.state is Outcome.SUCCEEDED
     for n in range(2):
@@ -152,7 +156,7 @@ def test_group_keeps_logs_of_every_rank_and_a_status_file_per_node(tmp_path, tin
         # torchrun's own per-rank files
         assert list((node_dir / "torchrun").glob("*/attempt_0/0/stdout.log"))
     # A relaunch of the same try keeps the earlier logs instead of overwriting them.
-    handle2 = backend.launch(backend.plan(spec, GroupIdentity("d", "t", "logs"), {}), watch_caller=False)
+    handle2 = backend.launch(backend.plan(spec, identity, {}), watch_caller=False)
     backend.teardown(handle2)
     assert len(list((backend.state_dir / "groups").glob(f"{handle.group_id}*"))) == 2
 
@@ -267,7 +271,7 @@ def test_a_teardown_past_its_grace_still_leaves_each_nodes_record(tmp_path):
     script.write_text(DEAF_TO_SIGTERM)
     backend = LocalBackend(tmp_path / "state")
     spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=1)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "deaf", tmp_path.name), {}))
+    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "deaf", unique_run(tmp_path.name)), {}))
     logs = [Path(p) for p in backend.log_locations(handle)]
     _until(lambda: all(p.exists() and "deaf" in p.read_text() for p in logs), what="both ranks up")
     backend.teardown(handle)
@@ -303,7 +307,9 @@ def _run_to_its_end(tmp_path, script):
     """A two-node group of ``script``, watched to its end and torn down."""
     backend = LocalBackend(tmp_path / "state")
     spec = GroupSpec.create(script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    handle = backend.launch(
+        backend.plan(spec, GroupIdentity("d", "t", unique_run(tmp_path.name)), {}), watch_caller=False
+    )
     try:
         return backend, handle, _terminal(backend, handle, what="the group to end")
     finally:
@@ -353,7 +359,9 @@ def test_each_ranks_line_reaches_the_node_log_whole(tmp_path):
     script.write_text(WRITES_LINES_IN_PARTS)
     backend = LocalBackend(tmp_path / "state")
     spec = GroupSpec.create(script=str(script), num_nodes=1, nproc_per_node=2, teardown_grace=3)
-    handle = backend.launch(backend.plan(spec, GroupIdentity("d", "t", tmp_path.name), {}), watch_caller=False)
+    handle = backend.launch(
+        backend.plan(spec, GroupIdentity("d", "t", unique_run(tmp_path.name)), {}), watch_caller=False
+    )
     try:
         status = _terminal(backend, handle, what="the group to end")
     finally:

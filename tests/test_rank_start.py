@@ -28,6 +28,7 @@ from airflow_torchrun.errors import GroupLaunchError
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import Outcome, group_status
+from tests.conftest import unique_run
 
 LOOKS = textwrap.dedent(
     """
@@ -102,7 +103,7 @@ def _launch(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int
     )
     # The group id from the test's folder and ``how``: pytest gives [fork] and [exec] (run side by side
     # on two workers) folders of one name, and a teardown stops every process of its group id.
-    identity = GroupIdentity("d", "t", f"{tmp_path.name}-{how}")
+    identity = GroupIdentity("d", "t", unique_run(f"{tmp_path.name}-{how}"))
     handle = backend.launch(backend.plan(spec, identity, {}), watch_caller=False)
     return backend, handle, path
 

@@ -24,6 +24,7 @@ from airflow_torchrun.contract.launch import AGENT_START_VAR, GROUP_ID_VAR, NODE
 from airflow_torchrun.naming import GroupIdentity
 from airflow_torchrun.spec import GroupSpec
 from airflow_torchrun.status import Outcome, group_status
+from tests.conftest import unique_run
 from tests.test_local_backend import _until
 
 SLEEPY = textwrap.dedent(
@@ -71,7 +72,9 @@ def _launch(tmp_path, name, *, sleep_s=0.0, **env):
     spec = GroupSpec.create(
         script=str(script), num_nodes=2, nproc_per_node=1, teardown_grace=3, env={"SLEEP_S": str(sleep_s), **env}
     )
-    return backend, backend.launch(backend.plan(spec, GroupIdentity("d", "t", name), {}), watch_caller=False)
+    return backend, backend.launch(
+        backend.plan(spec, GroupIdentity("d", "t", unique_run(name)), {}), watch_caller=False
+    )
 
 
 def _end(backend, handle):
