@@ -15,6 +15,7 @@ everywhere. What must not be split between workers is in one group (``XDIST_GROU
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -40,7 +41,7 @@ from tests.chaos import matrix
 from tests.example_trainer import IMPORTS as TRAINER_IMPORTS
 from tests.example_trainer import digest, train_task
 from tests.mlflow_server import MlflowServer
-from tests.ports import ReservedPort
+from tests.ports import reserved_ports
 
 # One moto server per session (each test makes its own bucket): bound here, for every module.
 from tests.s3_fixtures import hung_server, moto_s3, restartable_s3, s3_env  # noqa: F401 - fixtures
@@ -324,15 +325,8 @@ def mlflow_sqlite_uri(mlflow_store_template: Path, tmp_path: Path) -> str:
 def reserve_port() -> Iterator[Callable[[], int]]:
     """Ports for this test's own servers (its torchrun's store, say), each held until the test ends:
     no later bind to port 0 is handed one meanwhile (:class:`tests.ports.ReservedPort`)."""
-    held: list[ReservedPort] = []
-
-    def reserve() -> int:
-        held.append(ReservedPort())
-        return held[-1].port
-
-    yield reserve
-    for reservation in held:
-        reservation.close()
+    with contextlib.ExitStack() as held:
+        yield lambda: held.enter_context(reserved_ports(1))[0]
 
 
 @pytest.fixture(scope="session")

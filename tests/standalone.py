@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 from airflow_torchrun.backends.base import GroupHandle
 from airflow_torchrun.backends.local.backend import LocalBackend
-from tests.ports import ReservedPort
+from tests.ports import reserved_ports
 
 STARTUP_DEADLINE_S = 300.0
 RUN_DEADLINE_S = 240.0
@@ -204,74 +204,71 @@ def start_standalone(
     for d in (home, state_dir, work_dir):
         d.mkdir(parents=True, exist_ok=True)
     # Held until the services are stopped: they bind them only after their start-up (tens of seconds).
-    held = [ReservedPort() for _ in range(3)]
-    port, worker_log_port, trigger_log_port = (r.port for r in held)
-    env = {
-        **os.environ,
-        # standalone starts its services as `airflow ...` from PATH: this interpreter's one
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
-        "AIRFLOW__TORCHRUN__STATE_DIR": str(state_dir),
-        # Other helpers may run their own standalone: no fixed port anywhere.
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__API__BASE_URL": f"http://localhost:{port}{base_path}/" if base_path else f"http://localhost:{port}",
-        "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
-        "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "OMP_NUM_THREADS": "1",
-        # The OpenLineage provider (the openlineage extra) has no transport here; tests that want
-        # lineage configure one (tests/test_openlineage.py).
-        "AIRFLOW__OPENLINEAGE__DISABLED": "True",
-    }
-    # The state dir's own SQLite store, not a tracking server of the developer's environment.
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.update(extra_env or {})
-    output = root / "standalone.out"
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "airflow", "standalone"],
-            env=env,
-            cwd=work_dir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its services share this process group: stopped by it below
-        )
-    url = f"http://127.0.0.1:{port}{base_path}"
-    server = Standalone(home, url, state_dir, work_dir, proc, output, dag_id, task_id)
-    try:
-
-        def healthy() -> bool:
-            assert proc.poll() is None, f"airflow standalone exited with {proc.returncode}\n{server.tail()}"
-            # a service that could not start is reported on the output, the process stays up
-            assert "Exception in thread" not in server.tail(400), f"a service failed to start\n{server.tail()}"
-            code, data = server.request("GET", "/api/v2/monitor/health")
-            if code != 200 or not isinstance(data, dict):
-                return False
-            return all((data.get(c) or {}).get("status") == "healthy" for c in ("scheduler", "triggerer"))
-
-        wait_for("airflow standalone to be healthy", healthy, STARTUP_DEADLINE_S, interval=1.0)
-        passwords = home / "simple_auth_manager_passwords.json.generated"
-        text = wait_for("the admin password file", lambda: passwords.exists() and passwords.read_text(), 60)
-        users = json.loads(text)
-        server.username, server.password = next(iter(users.items()))
-        credentials = {"username": server.username, "password": server.password}
-        server.token = server.ok("POST", "/auth/token", credentials)["access_token"]
-        server.wait_parsed(dag_id)
-        yield server
-    finally:
+    with reserved_ports(3) as (port, worker_log_port, trigger_log_port):
+        env = {
+            **os.environ,
+            # standalone starts its services as `airflow ...` from PATH: this interpreter's one
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__TORCHRUN__STATE_DIR": str(state_dir),
+            # Other helpers may run their own standalone: no fixed port anywhere.
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__BASE_URL": f"http://localhost:{port}{base_path}/"
+            if base_path
+            else f"http://localhost:{port}",
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_log_port),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_log_port),
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "OMP_NUM_THREADS": "1",
+            # The OpenLineage provider (the openlineage extra) has no transport here; tests that want
+            # lineage configure one (tests/test_openlineage.py).
+            "AIRFLOW__OPENLINEAGE__DISABLED": "True",
+        }
+        # The state dir's own SQLite store, not a tracking server of the developer's environment.
+        env.pop("MLFLOW_TRACKING_URI", None)
+        env.update(extra_env or {})
+        output = root / "standalone.out"
+        with open(output, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "airflow", "standalone"],
+                env=env,
+                cwd=work_dir,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its services share this process group: stopped by it below
+            )
+        url = f"http://127.0.0.1:{port}{base_path}"
+        server = Standalone(home, url, state_dir, work_dir, proc, output, dag_id, task_id)
         try:
-            stop_process_group(proc)
+
+            def healthy() -> bool:
+                assert proc.poll() is None, f"airflow standalone exited with {proc.returncode}\n{server.tail()}"
+                # a service that could not start is reported on the output, the process stays up
+                assert "Exception in thread" not in server.tail(400), f"a service failed to start\n{server.tail()}"
+                code, data = server.request("GET", "/api/v2/monitor/health")
+                if code != 200 or not isinstance(data, dict):
+                    return False
+                return all((data.get(c) or {}).get("status") == "healthy" for c in ("scheduler", "triggerer"))
+
+            wait_for("airflow standalone to be healthy", healthy, STARTUP_DEADLINE_S, interval=1.0)
+            passwords = home / "simple_auth_manager_passwords.json.generated"
+            text = wait_for("the admin password file", lambda: passwords.exists() and passwords.read_text(), 60)
+            users = json.loads(text)
+            server.username, server.password = next(iter(users.items()))
+            credentials = {"username": server.username, "password": server.password}
+            server.token = server.ok("POST", "/auth/token", credentials)["access_token"]
+            server.wait_parsed(dag_id)
+            yield server
         finally:
-            for reservation in held:
-                reservation.close()
-        leftovers = teardown_groups(state_dir)
-        assert not leftovers, f"groups still running when the module ended: {leftovers}"
+            stop_process_group(proc)
+            leftovers = teardown_groups(state_dir)
+            assert not leftovers, f"groups still running when the module ended: {leftovers}"
 
 
 def read_group(location: Path) -> dict[str, Any] | None:

@@ -101,8 +101,8 @@ def _launch(tmp_path: Path, script: str, how: str, *, nodes: int = 1, nproc: int
         env={RANK_START_VAR: how, "OUT": str(tmp_path), **env},
         teardown_grace=3,
     )
-    # The group id from the test's folder and ``how``: pytest gives [fork] and [exec] (run side by side
-    # on two workers) folders of one name, and a teardown stops every process of its group id.
+    # A group id of its own (a teardown stops every process of its group id), named for the test's
+    # folder and ``how`` to be found among the state's groups.
     identity = GroupIdentity("d", "t", unique_run(f"{tmp_path.name}-{how}"))
     handle = backend.launch(backend.plan(spec, identity, {}), watch_caller=False)
     return backend, handle, path

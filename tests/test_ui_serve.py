@@ -16,11 +16,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.ports import reserved_ports
 from tests.standalone import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -59,20 +59,11 @@ def _listening(port: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_make_ui_stops_both_services_when_it_is_signalled(tmp_path: Path, signum: signal.Signals) -> None:
-    # Held to the end, past the check that nothing listens on them after the services stopped.
-    with reserved_ports(4) as (airflow_port, mlflow_port, worker_log_port, trigger_log_port):
-        _stops_both_services(tmp_path, signum, airflow_port, mlflow_port, worker_log_port, trigger_log_port)
-
-
-def _stops_both_services(
-    tmp_path: Path,
-    signum: signal.Signals,
-    airflow_port: int,
-    mlflow_port: int,
-    worker_log_port: int,
-    trigger_log_port: int,
+def test_make_ui_stops_both_services_when_it_is_signalled(
+    tmp_path: Path, reserve_port: Callable[[], int], signum: signal.Signals
 ) -> None:
+    # Held to the test's end, past the check that nothing listens on them after the services stopped.
+    airflow_port, mlflow_port, worker_log_port, trigger_log_port = (reserve_port() for _ in range(4))
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
