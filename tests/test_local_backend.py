@@ -210,6 +210,27 @@ def test_a_stopped_agent_keeps_its_exit_code_in_exit_json(tmp_path):
     assert outcome["stopped_by"] == "SIGTERM"
 
 
+def test_an_exec_d_supervisor_that_cannot_start_says_why_and_fails(tmp_path):
+    """An exec'd supervisor ends without the interpreter's teardown (procs.exit_now): its status and
+    its traceback must still be what a normal exit gives, and argparse's own exits keep theirs."""
+    from airflow_torchrun.contract.launch import GROUP_ID_VAR
+
+    command = [sys.executable, "-m", "airflow_torchrun.backends.local.supervisor"]
+    env = {k: v for k, v in os.environ.items() if k != GROUP_ID_VAR}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*command, *args], check=False, env=env, capture_output=True, text=True, timeout=60)
+
+    failed = run(f"--node-dir={tmp_path}", "--", "true")
+    assert failed.returncode == 1, failed
+    assert "Traceback" in failed.stderr and f"KeyError: '{GROUP_ID_VAR}'" in failed.stderr, failed.stderr
+    assert not (tmp_path / "exit.json").exists()
+    usage = run("--no-such-option")
+    assert usage.returncode == 2 and "--node-dir" in usage.stderr, usage
+    helped = run("--help")
+    assert helped.returncode == 0 and "--node-dir" in helped.stdout, helped
+
+
 def test_a_killed_rank_fails_its_node_before_its_agent_has_stopped(tmp_path, tiny_script):
     """torchrun's agent takes a second or more to stop a node whose rank died. The node counts as
     failed from the agent's first report (so the rest of the group is stopped that much sooner),

@@ -38,7 +38,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from airflow_torchrun.backends.local.procs import pid_alive, ranks_of, recorded_rank, stat_fields, stop_group
+from airflow_torchrun.backends.local.procs import (
+    exit_now,
+    pid_alive,
+    ranks_of,
+    recorded_rank,
+    run_main,
+    stat_fields,
+    stop_group,
+)
 from airflow_torchrun.contract.launch import GROUP_ID_VAR, NODE_RANK_VAR, RANKS_FILE, RANKS_FILE_VAR
 
 if TYPE_CHECKING:
@@ -322,5 +330,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if returncode == 0 else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # exec'd: the outcome is on disk, nothing is left to run
+    exit_now(run_main(main, sys.argv[1:]))

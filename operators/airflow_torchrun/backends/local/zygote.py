@@ -59,7 +59,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from airflow_torchrun.backends.local.procs import pid_alive, stat_fields
+from airflow_torchrun.backends.local.procs import exit_now, pid_alive, run_main, stat_fields
 
 logger = logging.getLogger(__name__)
 
@@ -365,23 +365,6 @@ def _become(argv: Sequence[str], env: Mapping[str, str], cwd: str, umask: int | 
     random.seed()
 
 
-def _exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
-def _run(main: Any, args: list[str]) -> int:
-    try:
-        return int(main(args) or 0)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-
-
 # -- the supervisor's side: its agent --------------------------------------------------------
 class ForkedAgent:
     """A node's agent forked by its supervisor: what the supervisor asks of a ``Popen``."""
@@ -424,11 +407,11 @@ def fork_agent(command: Sequence[str], log: IO[bytes], env: Mapping[str, str]) -
         _become(command, env, os.getcwd(), None)
         agent = sys.modules[AGENT_MODULE]
         sys.argv = [agent.__file__ or AGENT_MODULE, *command[3:]]
-        code = _run(agent.main, list(command[3:]))
+        code = run_main(agent.main, list(command[3:]))
         agent._exit_now(code)  # its atexit handlers, then its end without torch's teardown
     except BaseException:
         traceback.print_exc()
-    _exit(code)
+    exit_now(code)
     raise AssertionError("unreachable")
 
 
@@ -457,7 +440,7 @@ def _spare(listener: socket.socket, taken: int, zygote: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the zygote around the fork
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote:  # the zygote died before the line above
-            _exit(0)
+            exit_now(0)
         listener.settimeout(None)
         conn, _ = listener.accept()
         libc.prctl(_PR_SET_PDEATHSIG, 0)
@@ -469,7 +452,7 @@ def _spare(listener: socket.socket, taken: int, zygote: int) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    _exit(code)
+    exit_now(code)
 
 
 def _taken(pipe: int) -> set[int]:
@@ -517,18 +500,18 @@ def _supervisor(conn: socket.socket, fds: list[int], request: dict[str, Any]) ->
             conn.sendall(
                 json.dumps({"error": "environment or command line larger than the room for it"}).encode() + b"\n"
             )
-            _exit(0)
+            exit_now(0)
         _become(command, env, str(request["cwd"]), request.get("umask"))
         conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
         if _line(conn) != b"go":
-            _exit(0)
+            exit_now(0)
         conn.close()
         supervisor = sys.modules[SUPERVISOR_MODULE]
         sys.argv = [supervisor.__file__ or SUPERVISOR_MODULE, *argv]
-        code = _run(supervisor.main, argv)
+        code = run_main(supervisor.main, argv)
     except BaseException:
         traceback.print_exc()
-    _exit(code)
+    exit_now(code)
 
 
 _LOCK: IO[str] | None = None
