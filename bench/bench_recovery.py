@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench_group import ROOT, WORK, free_port, progress, task_times, warm_up, write_dag
 from job import first_steps
@@ -208,11 +209,19 @@ def operator_run(tag: str, mode: str) -> Outcome:
     return outcome
 
 
+def standalone_starter() -> Callable[..., Any]:
+    """``tests/standalone.py``'s ``start_standalone``, imported as the tests import it: from the
+    repository's root (it imports ``tests.ports``), which a benchmark run as a script lacks."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.standalone import start_standalone
+
+    return start_standalone
+
+
 def standalone_runs(repeats: int) -> list[Outcome]:
     """The Airflow retry under a real scheduler: one ``airflow standalone``, ``repeats`` DAG runs."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from standalone import start_standalone
-
+    start_standalone = standalone_starter()
     dags = WORK / "standalone-dags"
     dags.mkdir(parents=True, exist_ok=True)
     envs = []

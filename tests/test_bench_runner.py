@@ -593,3 +593,20 @@ def test_the_cpu_profile_counts_a_commands_processes_by_kind(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| local nodes' agents"))
     assert float(row.split("|")[2]) >= 1.0, out
     assert cpu_profile.main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+@pytest.mark.slow  # starts a process
+def test_the_recovery_benchmark_finds_the_standalone_helper_as_make_bench_runs_it():
+    """``make bench`` runs each benchmark as a script, with ``bench/`` first on its path and not the
+    repository's root: the standalone rows' helper, which imports ``tests.ports``, must still import
+    (a run lost every recovery row to a ModuleNotFoundError there)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import bench_recovery; print(bench_recovery.standalone_starter().__module__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCH, env=env, capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "tests.standalone", done.stdout
