@@ -6,6 +6,8 @@ and the Ray-virtualenv step (never run here: no Ray in ``make test``)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -600,9 +602,6 @@ def test_the_recovery_benchmark_finds_the_standalone_helper_as_make_bench_runs_i
     """``make bench`` runs each benchmark as a script, with ``bench/`` first on its path and not the
     repository's root: the standalone rows' helper, which imports ``tests.ports``, must still import
     (a run lost every recovery row to a ModuleNotFoundError there)."""
-    import os
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = "import bench_recovery; print(bench_recovery.standalone_starter().__module__)"
     done = subprocess.run(
